@@ -1,0 +1,1 @@
+"""Trace simulator: workloads, baseline policies, replay, metrics and the CLI."""

@@ -1,0 +1,20 @@
+"""The interface a cache consults to pick what to evict."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from sglang_marconi.policy.candidate_index import CandidateIndex
+
+
+class EvictionPolicy(ABC):
+    name: str
+    # Evicting a single-child node that holds a checkpoint frees the checkpoint and merges its
+    # edge into the child; policies that only evict leaves never consider such nodes.
+    evicts_single_child_nodes: bool
+    # On a hit, refresh every node of the matched path (SGLang's LRU) or only the node hit.
+    refresh_matched_path: bool
+
+    @abstractmethod
+    def choose(self, candidates: CandidateIndex):
+        """Return the candidate to evict next (the index is never empty)."""

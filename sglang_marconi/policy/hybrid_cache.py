@@ -1,0 +1,341 @@
+"""Prefix cache for hybrid models: KV per edge token, SSM checkpoints at node ends (paper §4).
+
+Admission (§4.1): a request admits at most two SSM states, the one after its last decoded
+token and one at the branch point that speculative insertion of its input finds (on the
+checkpoint grid, as chunked prefill produces states). Eviction (§4.2) is delegated to an
+`EvictionPolicy`; candidates live in a numpy `CandidateIndex` kept current incrementally, so
+choosing a victim never walks the tree.
+
+Bytes: `kv_bytes_per_token` per cached token plus `ssm_state_bytes` per checkpoint, both from
+the model profile; `used_bytes` never exceeds `capacity_bytes` once an admission returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sglang_marconi.policy.candidate_index import CandidateIndex
+from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction
+from sglang_marconi.policy.radix_tree import Node, RadixTree, Walk, as_token_array
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """The result of matching a request's input before prefill."""
+
+    hit_tokens: int  # prefix reusable now: KV and an SSM state at exactly this length
+    overlap_tokens: int  # tokens of the input whose KV is cached (reusable or not)
+    checkpoint_at: int | None  # branch position to checkpoint during prefill, if any
+    hit_node: Node
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    evictions_leaf: int = 0
+    evictions_single_child: int = 0
+    admissions_skipped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    """A picklable copy of a cache's contents: nodes in parent-first order."""
+
+    parents: list[int]  # index into the node list, -1 for a child of the root
+    tokens: list[np.ndarray]
+    has_state: list[bool]
+    last_access: list[float]
+    clock: float
+    capacity_bytes: int
+    checkpoint_grid: int
+    page_size: int
+
+
+class HybridPrefixCache:
+    def __init__(
+        self,
+        profile,
+        capacity_bytes: int,
+        eviction: EvictionPolicy | None = None,
+        *,
+        checkpoint_grid: int = 1,
+        page_size: int = 1,
+    ):
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, (int, np.integer)) or capacity_bytes <= 0:
+            raise MarconiError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
+        if 2 * profile.ssm_state_bytes > capacity_bytes:
+            raise MarconiError(
+                f"capacity_bytes={capacity_bytes} is smaller than one request's two SSM states "
+                f"(2 x {profile.ssm_state_bytes} bytes for {profile.name})"
+            )
+        if not isinstance(checkpoint_grid, int) or checkpoint_grid < 1:
+            raise MarconiError(f"checkpoint_grid must be a positive integer, got {checkpoint_grid!r}")
+        self.profile = profile
+        self.capacity_bytes = int(capacity_bytes)
+        self.eviction = eviction if eviction is not None else FlopAwareEviction(0.0)
+        self.checkpoint_grid = checkpoint_grid
+        self.kv_bytes_per_token = int(profile.kv_bytes_per_token)
+        self.ssm_state_bytes = int(profile.ssm_state_bytes)
+        self.tree = RadixTree(page_size)
+        self.index = CandidateIndex()
+        self.kv_tokens = 0
+        self.ssm_states = 0
+        self.clock = 0.0
+        self.counters = CacheCounters()
+
+    # -- accounting ------------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self.kv_tokens * self.kv_bytes_per_token + self.ssm_states * self.ssm_state_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    # -- request API -----------------------------------------------------------------------------
+    def lookup(self, input_tokens) -> Lookup:
+        """Match the input (refreshing timestamps) and speculatively insert it to find the branch
+        checkpoint. At least one input token is always left to prefill."""
+        seq = as_token_array(input_tokens)
+        walk = self.tree.walk(seq)
+        limit = len(seq) - 1
+        hit_node = self.tree.root
+        for node in walk.path:
+            if node.end > limit:
+                break
+            if node.has_state:
+                hit_node = node
+        if self.eviction.refresh_matched_path:
+            for node in walk.path:
+                self._touch(node)
+        elif hit_node is not self.tree.root:
+            self._touch(hit_node)
+        return Lookup(hit_node.end, walk.overlap, self._branch_checkpoint(walk, hit_node.end), hit_node)
+
+    def _branch_checkpoint(self, walk: Walk, hit: int) -> int | None:
+        # Inserting the input creates a new intermediate node where it leaves an edge midway,
+        # or adds a sibling under a node that has children but no state: checkpoint there.
+        if walk.partial is None:
+            node = walk.last
+            if node is None or not node.children or node.has_state:
+                return None
+        target = walk.overlap - walk.overlap % self.checkpoint_grid
+        return target if target > hit else None
+
+    def admit(self, sequence, checkpoint_at: int | None = None) -> int:
+        """Cache a finished request's sequence (input + output) with an SSM state at its end and
+        at `checkpoint_at`; evict to make room. Returns the number of states admitted (<= 2)."""
+        seq = as_token_array(sequence)
+        n = self.tree.page_aligned(len(seq))
+        if n == 0:
+            return 0
+        seq = seq[:n]
+        walk = self.tree.walk(seq)
+        positions = [n]
+        if checkpoint_at is not None and 0 < checkpoint_at < n and checkpoint_at % self.tree.page_size == 0:
+            positions.insert(0, int(checkpoint_at))
+        stateful_ends = {node.end for node in walk.path if node.has_state}
+        new_states = sum(1 for p in positions if p not in stateful_ends)
+        needed = (n - walk.overlap) * self.kv_bytes_per_token + new_states * self.ssm_state_bytes
+        deepest = walk.partial or walk.last
+        if deepest is not None:
+            self.lock(deepest)
+        try:
+            if not self._make_room(needed):
+                self.counters.admissions_skipped += 1
+                return 0
+            if n > walk.overlap:
+                attach = self._split(walk.partial, walk.partial_len) if walk.partial else (walk.last or self.tree.root)
+                self._add_leaf(attach, seq[walk.overlap :])
+            admitted = 0
+            for pos in positions:
+                node = self._node_at(seq, pos)
+                if not node.has_state:
+                    node.has_state = True
+                    self.ssm_states += 1
+                    admitted += 1
+                self._touch(node)
+                self._refresh(node)
+            return admitted
+        finally:
+            if deepest is not None:
+                self.unlock(deepest)
+
+    def serve(self, input_tokens, output_tokens=()) -> tuple[Lookup, int]:
+        """Simulate one request end to end: lookup, prefill, decode, admit."""
+        inp = as_token_array(input_tokens)
+        lookup = self.lookup(inp)
+        seq = np.concatenate((inp, np.asarray(output_tokens, dtype=np.int64)))
+        return lookup, self.admit(seq, lookup.checkpoint_at)
+
+    # -- locks -----------------------------------------------------------------------------------
+    def lock(self, node: Node) -> None:
+        """Protect `node` and its ancestors from eviction (an in-flight request uses them)."""
+        while node is not self.tree.root:
+            node.lock_count += 1
+            if node.lock_count == 1:
+                self._refresh(node)
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not None and node is not self.tree.root:
+            if node.lock_count <= 0:
+                raise MarconiError(f"unlock of {node!r} which is not locked")
+            node.lock_count -= 1
+            parent = node.parent
+            if node.lock_count == 0:
+                self._refresh(node)
+                self._compress(node)
+            node = parent
+
+    # -- eviction --------------------------------------------------------------------------------
+    def _make_room(self, needed: int) -> bool:
+        if needed > self.capacity_bytes:
+            return False
+        while self.free_bytes < needed:
+            if not len(self.index):
+                return False
+            self.evict(self.eviction.choose(self.index))
+        return True
+
+    def evict(self, node: Node) -> None:
+        """Evict one candidate: a leaf frees its KV and state; a single-child node frees its
+        state and its edge is absorbed by its child."""
+        assert node.slot >= 0, f"{node!r} is not an eviction candidate"
+        self._drop(node)
+        if node.has_state:
+            node.has_state = False
+            self.ssm_states -= 1
+        if node.children:
+            self.counters.evictions_single_child += 1
+            self._refresh(self.tree.merge_into_child(node))
+            return
+        self.counters.evictions_leaf += 1
+        self.kv_tokens -= len(node.tokens)
+        parent = self.tree.remove_leaf(node)
+        self._refresh(parent)
+        self._compress(parent)
+
+    # -- tree edits that keep the candidate index current ----------------------------------------
+    def _split(self, child: Node, k: int) -> Node:
+        head = self.tree.split(child, k)
+        self._refresh(head)
+        self._refresh(child)
+        return head
+
+    def _add_leaf(self, parent: Node, tokens: np.ndarray) -> Node:
+        leaf = self.tree.add_leaf(parent, tokens)
+        self.kv_tokens += len(tokens)
+        leaf.last_access = self.clock
+        self._refresh(leaf)
+        self._refresh(parent)
+        return leaf
+
+    def _node_at(self, seq: np.ndarray, pos: int) -> Node:
+        walk = self.tree.walk(seq[:pos])
+        assert walk.overlap == pos, "admitted positions lie on the inserted path"
+        return self._split(walk.partial, walk.partial_len) if walk.partial else walk.last
+
+    def _compress(self, node: Node) -> None:
+        # A stateless node with one child holds nothing an eviction could free: fold it away.
+        if node is not self.tree.root and node.lock_count == 0 and not node.has_state and len(node.children) == 1:
+            self._drop(node)
+            self._refresh(self.tree.merge_into_child(node))
+
+    def _touch(self, node: Node) -> None:
+        self.clock += 1.0
+        node.last_access = self.clock
+        if node.slot >= 0:
+            self.index.last_access[node.slot] = self.clock
+
+    def _is_candidate(self, node: Node) -> bool:
+        if node.lock_count or node.parent is None:
+            return False
+        n_children = len(node.children)
+        return n_children == 0 or (n_children == 1 and node.has_state and self.eviction.evicts_single_child_nodes)
+
+    def flop_efficiency(self, node: Node) -> float:
+        """Eq. 1: FLOPs saved by reusing `node`'s state rather than its parent's, per byte its
+        eviction would free (a leaf frees KV and state, a single-child node only its state)."""
+        if not node.has_state:
+            return 0.0
+        freed = self.ssm_state_bytes + (0 if node.children else len(node.tokens) * self.kv_bytes_per_token)
+        return self.profile.prefill_flops(node.parent.end, node.end) / freed
+
+    def _refresh(self, node: Node) -> None:
+        if node is self.tree.root:
+            return
+        if self._is_candidate(node):
+            eff = self.flop_efficiency(node)
+            if node.slot < 0:
+                node.slot = self.index.add(node, node.last_access, eff)
+            else:
+                self.index.update(node.slot, node.last_access, eff)
+        elif node.slot >= 0:
+            self._drop(node)
+
+    def _drop(self, node: Node) -> None:
+        if node.slot < 0:
+            return
+        moved = self.index.remove(node.slot)
+        if moved is not None:
+            moved.slot = node.slot
+        node.slot = -1
+
+    # -- snapshots (alpha tuning replays a window from one) ---------------------------------------
+    def snapshot(self) -> CacheSnapshot:
+        order: dict[int, int] = {}
+        parents, tokens, has_state, last_access = [], [], [], []
+        for node in self.tree.nodes():
+            order[node.id] = len(parents)
+            parents.append(order.get(node.parent.id, -1) if node.parent is not self.tree.root else -1)
+            tokens.append(node.tokens)
+            has_state.append(node.has_state)
+            last_access.append(node.last_access)
+        return CacheSnapshot(
+            parents, tokens, has_state, last_access, self.clock, self.capacity_bytes,
+            self.checkpoint_grid, self.tree.page_size,
+        )
+
+    @classmethod
+    def from_snapshot(cls, profile, snap: CacheSnapshot, eviction: EvictionPolicy, capacity_bytes: int | None = None):
+        cache = cls(
+            profile, capacity_bytes or snap.capacity_bytes, eviction,
+            checkpoint_grid=snap.checkpoint_grid, page_size=snap.page_size,
+        )
+        built: list[Node] = []
+        for parent_idx, toks, state, stamp in zip(snap.parents, snap.tokens, snap.has_state, snap.last_access):
+            parent = cache.tree.root if parent_idx < 0 else built[parent_idx]
+            node = cache.tree.add_leaf(parent, toks)
+            node.has_state, node.last_access = state, stamp
+            cache.kv_tokens += len(toks)
+            cache.ssm_states += state
+            built.append(node)
+        cache.clock = snap.clock
+        for node in built:
+            cache._refresh(node)
+        return cache
+
+    # -- checking --------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any bookkeeping disagrees with the tree."""
+        kv = states = 0
+        candidates = set()
+        for node in self.tree.nodes():
+            kv += len(node.tokens)
+            states += node.has_state
+            assert node.end == node.parent.end + len(node.tokens), node
+            assert len(node.tokens) > 0 and len(node.tokens) % self.tree.page_size == 0, node
+            for key, child in node.children.items():
+                assert child.parent is node and self.tree._key(child.tokens, 0) == key
+            if self._is_candidate(node):
+                candidates.add(node.id)
+                assert self.index.items[node.slot] is node, node
+            else:
+                assert node.slot < 0, node
+            assert node.has_state or len(node.children) != 1 or node.lock_count, f"uncompressed {node!r}"
+        assert kv == self.kv_tokens and states == self.ssm_states
+        assert candidates == {n.id for n in self.index.items}
+        assert self.used_bytes <= self.capacity_bytes

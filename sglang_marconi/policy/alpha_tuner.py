@@ -1,0 +1,255 @@
+"""Alpha tuning (paper §4.3), extended to re-tune every window.
+
+alpha stays 0 (LRU) until the cache's first eviction. From then on requests are recorded in
+windows of `bootstrap_multiplier x (requests seen before the first eviction)`; at the end of
+each window the window is replayed from a snapshot of the cache taken at its start, once per
+alpha of the grid, in worker processes, and the best alpha is adopted. alpha 0 wins ties, so
+Marconi only leaves LRU when another alpha did better on the window just seen.
+
+With `sample_rate` < 1 the replays run over a hash-sampled subset of sessions against a shadow
+cache of proportionally scaled capacity (spatial sampling, as in SHARDS), cutting tuning work
+by that factor; the shadow follows the adopted alpha so its snapshots stay representative.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import multiprocessing
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.eviction.flop_aware import FlopAwareEviction, check_alpha
+from sglang_marconi.policy.hybrid_cache import CacheSnapshot, HybridPrefixCache
+
+log = logging.getLogger(__name__)
+
+OBJECTIVES = ("flops", "token_hit_rate")
+DEFAULT_ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(21))
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    bootstrap_multiplier: float = 5.0
+    alpha_grid: tuple[float, ...] = DEFAULT_ALPHA_GRID
+    objective: str = "flops"
+    retune: bool = True  # beyond the paper: re-tune every window so alpha follows drift
+    workers: int = 2
+    sample_rate: float = 1.0
+    timeout_s: float = 600.0
+
+    def __post_init__(self):
+        if not self.bootstrap_multiplier > 0:
+            raise MarconiError(f"bootstrap_multiplier must be > 0, got {self.bootstrap_multiplier!r}")
+        if not self.alpha_grid:
+            raise MarconiError("alpha_grid is empty")
+        grid = tuple(sorted({check_alpha(a) for a in self.alpha_grid} | {0.0}))
+        object.__setattr__(self, "alpha_grid", grid)
+        if self.objective not in OBJECTIVES:
+            raise MarconiError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if not 0 < self.sample_rate <= 1:
+            raise MarconiError(f"sample_rate must be in (0, 1], got {self.sample_rate!r}")
+        if not isinstance(self.workers, int) or self.workers < 0:
+            raise MarconiError(f"workers must be an integer >= 0 (0 replays in-process), got {self.workers!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class WindowRequest:
+    input_tokens: np.ndarray
+    output_tokens: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class AlphaScore:
+    alpha: float
+    flops_saved: float
+    hit_tokens: int
+    input_tokens: int
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+
+def replay_window(profile, snapshot: CacheSnapshot, window: Sequence[WindowRequest], alphas: Sequence[float]) -> list[AlphaScore]:
+    """Replay `window` from `snapshot` once per alpha (runs in a worker process)."""
+    scores = []
+    for alpha in alphas:
+        cache = HybridPrefixCache.from_snapshot(profile, snapshot, FlopAwareEviction(alpha))
+        flops = 0.0
+        hits = total = 0
+        for req in window:
+            lookup, _ = cache.serve(req.input_tokens, req.output_tokens)
+            n = len(req.input_tokens)
+            flops += profile.prefill_flops(0, lookup.hit_tokens) if lookup.hit_tokens else 0.0
+            hits += lookup.hit_tokens
+            total += n
+        scores.append(AlphaScore(alpha, flops, hits, total))
+    return scores
+
+
+def pick_alpha(scores: Sequence[AlphaScore], objective: str) -> float:
+    """Best alpha by the objective; alpha 0 (LRU) unless another alpha strictly beats it."""
+    key = (lambda s: s.flops_saved) if objective == "flops" else (lambda s: s.hit_tokens)
+    baseline = next(s for s in scores if s.alpha == 0.0)
+    best = max(scores, key=lambda s: (key(s), -s.alpha))
+    return best.alpha if key(best) > key(baseline) else 0.0
+
+
+def session_sampled(session_key: str, rate: float) -> bool:
+    return rate >= 1.0 or zlib.crc32(session_key.encode()) < rate * 2**32
+
+
+@dataclass(slots=True)
+class _PendingTuning:
+    parts: list[cf.Future]
+    started: float
+    at: int  # request index the window ended at
+
+
+@dataclass
+class TuningLog:
+    history: list[tuple[int, float]] = field(default_factory=list)  # (request index, adopted alpha)
+    windows: list[list[AlphaScore]] = field(default_factory=list)
+    seconds: float = 0.0
+    failures: int = 0
+
+
+class AlphaTuner:
+    """Drives alpha for one `HybridPrefixCache` whose eviction is `FlopAwareEviction`.
+
+    Call `after_request(session_key, input, output)` once per served request. In blocking
+    mode (the simulator) the grid replay finishes before the next request, so replays are
+    deterministic; otherwise (a serving engine) the result is adopted when it is ready and the
+    caller never waits."""
+
+    def __init__(self, cache: HybridPrefixCache, config: TuningConfig = TuningConfig(), *, blocking: bool = True):
+        if not isinstance(cache.eviction, FlopAwareEviction):
+            raise MarconiError("alpha tuning needs a cache with FlopAwareEviction")
+        self.cache = cache
+        self.config = config
+        self.blocking = blocking
+        if config.sample_rate < 1 and cache.capacity_bytes * config.sample_rate < 2 * cache.ssm_state_bytes:
+            raise MarconiError(
+                f"sample_rate={config.sample_rate} scales capacity {cache.capacity_bytes} below one request's two "
+                f"SSM states ({2 * cache.ssm_state_bytes} bytes); raise the sample rate"
+            )
+        self.log = TuningLog(history=[(0, cache.eviction.alpha)])
+        self.requests_seen = 0
+        self.window_len = 0  # 0 until the first eviction
+        self.window: list[WindowRequest] = []
+        self.window_start = 0
+        self.snapshot: CacheSnapshot | None = None
+        self.shadow: HybridPrefixCache | None = None
+        self._pending: _PendingTuning | None = None
+        self._executor: cf.Executor | None = None
+        self._evictions_seen = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.cache.eviction.alpha
+
+    def after_request(self, session_key: str, input_tokens: np.ndarray, output_tokens: np.ndarray) -> None:
+        self.requests_seen += 1
+        self._collect_result()
+        sampled = session_sampled(session_key, self.config.sample_rate)
+        if sampled and self.config.sample_rate < 1:
+            self._shadow().serve(input_tokens, output_tokens)
+        if self.window_len == 0:
+            if self._evictions() == 0:
+                return
+            self.window_len = max(1, round(self.config.bootstrap_multiplier * self.requests_seen))
+            self._start_window()
+            return
+        if sampled:
+            self.window.append(WindowRequest(input_tokens, output_tokens))
+        if self.requests_seen - self.window_start >= self.window_len:
+            self._finish_window()
+
+    def _evictions(self) -> int:
+        c = self.cache.counters
+        return c.evictions_leaf + c.evictions_single_child
+
+    def _shadow(self) -> HybridPrefixCache:
+        # The sampled sessions' own cache, at capacity scaled by the sampling rate.
+        if self.shadow is None:
+            self.shadow = HybridPrefixCache(
+                self.cache.profile, int(self.cache.capacity_bytes * self.config.sample_rate),
+                FlopAwareEviction(self.alpha),
+                checkpoint_grid=self.cache.checkpoint_grid, page_size=self.cache.tree.page_size,
+            )
+        return self.shadow
+
+    def _start_window(self) -> None:
+        self.window = []
+        self.window_start = self.requests_seen
+        source = self._shadow() if self.config.sample_rate < 1 else self.cache
+        self.snapshot = source.snapshot()
+
+    def _finish_window(self) -> None:
+        window, snapshot = self.window, self.snapshot
+        at = self.requests_seen
+        if self.config.retune:
+            self._start_window()
+        else:
+            self.window_len = 10**18  # tune once, as the paper does
+        if not window or self._pending is not None:
+            return
+        self._pending = self._submit(snapshot, window, at)
+        if self.blocking:
+            self._collect_result(wait=True)
+
+    def _submit(self, snapshot, window, at) -> _PendingTuning:
+        started = time.perf_counter()
+        grid = self.config.alpha_grid
+        if self.config.workers == 0:
+            done: cf.Future = cf.Future()
+            done.set_result(replay_window(self.cache.profile, snapshot, window, grid))
+            return _PendingTuning([done], started, at)
+        if self._executor is None:
+            self._executor = cf.ProcessPoolExecutor(self.config.workers, mp_context=multiprocessing.get_context("spawn"))
+        chunks = [grid[i :: self.config.workers] for i in range(self.config.workers)]
+        parts = [self._executor.submit(replay_window, self.cache.profile, snapshot, window, c) for c in chunks if c]
+        return _PendingTuning(parts, started, at)
+
+    def _collect_result(self, wait: bool = False) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        elapsed = time.perf_counter() - pending.started
+        if not wait and not all(p.done() for p in pending.parts) and elapsed < self.config.timeout_s:
+            return
+        self._pending = None
+        try:
+            deadline = max(0.0, self.config.timeout_s - elapsed)
+            scores = [s for p in pending.parts for s in p.result(timeout=deadline)]
+        except Exception as exc:  # a dead or stuck worker must not stop serving
+            self.log.failures += 1
+            log.warning("alpha tuning failed (%s: %s); keeping alpha=%s", type(exc).__name__, exc, self.alpha)
+            self._reset_executor()
+            return
+        finally:
+            self.log.seconds += time.perf_counter() - pending.started
+        scores.sort(key=lambda s: s.alpha)
+        self.log.windows.append(scores)
+        alpha = pick_alpha(scores, self.config.objective)
+        self.cache.eviction.alpha = alpha
+        if self.shadow is not None:
+            self.shadow.eviction.alpha = alpha
+        self.log.history.append((pending.at, alpha))
+
+    def _reset_executor(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def close(self) -> None:
+        self._collect_result(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

@@ -1,0 +1,309 @@
+"""Trace files: loading (Mooncake and the Marconi authors' JSONL), saving, and CLI workload specs.
+
+Formats, detected from the fields of the first non-empty line:
+
+* Mooncake: `timestamp` (ms), `input_length`, `output_length`, `hash_ids` (one id per
+  512-token block). Block id h expands to tokens h*512 + arange(512), the last block cut so
+  the input has exactly `input_length` tokens. Output tokens are 2**40 + i*2**20 + arange(n)
+  for the i-th request (arrival order), so they never collide with any input token.
+  The trace has no session ids: block 0 is a system prompt shared by every request of the
+  conversation trace (12,031 of 12,031), so the session is named after the first private block,
+  str(hash_ids[1]) (hash_ids[0] for one-block inputs); turn = number of earlier requests of that
+  session. On the conversation trace this gives 7,373 sessions: 5,114 single-request, 1,311 of
+  two, the longest 43; 3,947 of the 4,658 follow-up requests extend their predecessor's blocks.
+* Authors' format: `session_id`, `turn_id`, `ts` (s), `input_tokens` (list of ints),
+  `output_tokens` (list of ints, or an int count expanded to unique tokens as above).
+
+Only the small per-request fields stay in memory; tokens are rebuilt on each iteration (the
+authors' format re-reads its lines). Requests are replayed in arrival order (stable sort).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from sglang_marconi.policy.errors import MarconiError, TraceError
+from sglang_marconi.sim.workload import Request, Workload
+
+BLOCK = 512
+OUTPUT_BASE = 2**40  # every output token is >= this; every expanded input token is below it
+OUTPUT_STRIDE = 2**20  # output tokens of request i: OUTPUT_BASE + i*OUTPUT_STRIDE + arange(n)
+_MAX_HASH_ID = OUTPUT_BASE // BLOCK
+_BLOCK_OFFSETS = np.arange(BLOCK, dtype=np.int64)
+
+MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+AUTHORS_FIELDS = ("session_id", "turn_id", "ts", "input_tokens", "output_tokens")
+
+
+def output_tokens_for(index: int, count: int) -> np.ndarray:
+    """Deterministic output tokens of request `index`, disjoint from all expanded input tokens."""
+    return OUTPUT_BASE + index * OUTPUT_STRIDE + np.arange(count, dtype=np.int64)
+
+
+def expand_hash_ids(hash_ids: np.ndarray, input_length: int) -> np.ndarray:
+    """Tokens of a Mooncake input: 512 per block id, cut to `input_length`."""
+    return (hash_ids[:, None] * BLOCK + _BLOCK_OFFSETS).ravel()[:input_length]
+
+
+# ---------------------------------------------------------------- field validation
+
+
+class _Line:
+    """Where a record came from, for error messages."""
+
+    def __init__(self, path: Path, lineno: int):
+        self.path, self.lineno = path, lineno
+
+    def error(self, what: str) -> TraceError:
+        return TraceError(f"{self.path}:{self.lineno}: {what}")
+
+    def parse(self, raw: bytes | str) -> dict[str, Any]:
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise self.error(f"bad JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise self.error(f"expected a JSON object, got {type(obj).__name__}")
+        return obj
+
+    def field(self, obj: dict, name: str) -> Any:
+        if name not in obj:
+            raise self.error(f"missing field {name!r} (fields: {sorted(obj)})")
+        return obj[name]
+
+    def int_field(self, obj: dict, name: str, minimum: int = 0) -> int:
+        v = self.field(obj, name)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.error(f"field {name!r} must be an integer, got {v!r}")
+        if v < minimum:
+            if v == 0 and name == "input_length":
+                raise self.error("empty input: field 'input_length' is 0")
+            raise self.error(f"field {name!r} must be >= {minimum}, got {v}")
+        return v
+
+    def number_field(self, obj: dict, name: str) -> float:
+        v = self.field(obj, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self.error(f"field {name!r} must be a finite number, got {v!r}")
+        return float(v)
+
+    def int_list(self, obj: dict, name: str, upper: int | None = None) -> np.ndarray:
+        v = self.field(obj, name)
+        if not isinstance(v, list):
+            raise self.error(f"field {name!r} must be a list of integers, got {type(v).__name__}")
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+            bad = next(x for x in v if isinstance(x, bool) or not isinstance(x, int))
+            raise self.error(f"field {name!r} must hold only integers, found {bad!r}")
+        try:
+            arr = np.array(v, dtype=np.int64)
+        except OverflowError:
+            raise self.error(f"field {name!r} has an integer outside int64") from None
+        if arr.size and arr.min() < 0:
+            raise self.error(f"field {name!r} has a negative value {int(arr.min())}")
+        if upper is not None and arr.size and arr.max() >= upper:
+            raise self.error(f"field {name!r} has a value {int(arr.max())} >= {upper}")
+        return arr
+
+
+# ---------------------------------------------------------------- reading lines
+
+
+def _lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
+    """(1-based line number, byte offset, stripped content) of every non-empty line."""
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            stripped = raw.strip()
+            if stripped:
+                yield lineno, offset, stripped
+            offset += len(raw)
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise TraceError(f"{path}: no such trace file")
+    if not path.is_file():
+        raise TraceError(f"{path}: not a regular file")
+
+
+# ---------------------------------------------------------------- Mooncake
+
+
+class MooncakeTrace(Workload):
+    """A Mooncake trace; hash ids stay in memory (small), tokens are expanded per request."""
+
+    def __init__(self, path: Path, records: list[tuple[float, int, int, np.ndarray]]):
+        self.name, self.path = path.stem, path
+        order = sorted(range(len(records)), key=lambda i: records[i][0])
+        self._records = [records[i] for i in order]
+        self._sessions = [_mooncake_session(r[3]) for r in self._records]
+        self._turns, seen = [], {}
+        for s in self._sessions:
+            self._turns.append(seen.get(s, 0))
+            seen[s] = self._turns[-1] + 1
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def session_ids(self) -> list[str]:
+        return list(self._sessions)
+
+    def __iter__(self) -> Iterator[Request]:
+        for i, (ts, in_len, out_len, ids) in enumerate(self._records):
+            yield Request(
+                session_id=self._sessions[i],
+                turn=self._turns[i],
+                arrival_s=ts / 1000.0,
+                input_tokens=expand_hash_ids(ids, in_len),
+                output_tokens=output_tokens_for(i, out_len),
+            )
+
+
+def _mooncake_session(hash_ids: np.ndarray) -> str:
+    return str(int(hash_ids[1] if hash_ids.size > 1 else hash_ids[0]))
+
+
+def _mooncake_record(line: _Line, obj: dict) -> tuple[float, int, int, np.ndarray]:
+    ts = line.number_field(obj, "timestamp")
+    in_len = line.int_field(obj, "input_length", minimum=1)
+    out_len = line.int_field(obj, "output_length", minimum=0)
+    if out_len >= OUTPUT_STRIDE:
+        raise line.error(f"field 'output_length' {out_len} is too large (max {OUTPUT_STRIDE - 1})")
+    ids = line.int_list(obj, "hash_ids", upper=_MAX_HASH_ID)
+    if ids.size != -(-in_len // BLOCK):
+        raise line.error(
+            f"{ids.size} hash_ids for input_length {in_len}: expected "
+            f"ceil({in_len}/{BLOCK}) = {-(-in_len // BLOCK)}"
+        )
+    return ts, in_len, out_len, ids
+
+
+# ---------------------------------------------------------------- authors' format
+
+
+class JsonlTrace(Workload):
+    """A trace in the authors' format; each iteration re-reads the file line by line."""
+
+    def __init__(self, path: Path, index: list[tuple[float, int, int, str]]):
+        # index: (ts, byte offset, line number, session id) per record
+        self.name, self.path = path.stem, path
+        self._index = sorted(index, key=lambda r: r[0])
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def session_ids(self) -> list[str]:
+        return [r[3] for r in self._index]
+
+    def __iter__(self) -> Iterator[Request]:
+        with open(self.path, "rb") as f:
+            for i, (_, offset, lineno, _) in enumerate(self._index):
+                f.seek(offset)
+                yield _authors_request(_Line(self.path, lineno), f.readline(), i)
+
+
+def _authors_request(line: _Line, raw: bytes, index: int) -> Request:
+    obj = line.parse(raw)
+    session = line.field(obj, "session_id")
+    if isinstance(session, bool) or not isinstance(session, (str, int)):
+        raise line.error(f"field 'session_id' must be a string or integer, got {session!r}")
+    turn = line.int_field(obj, "turn_id")
+    ts = line.number_field(obj, "ts")
+    inputs = line.int_list(obj, "input_tokens")
+    if inputs.size == 0:
+        raise line.error("empty input: field 'input_tokens' is []")
+    out = line.field(obj, "output_tokens")
+    if isinstance(out, int) and not isinstance(out, bool):
+        outputs = output_tokens_for(index, line.int_field(obj, "output_tokens"))
+    else:
+        outputs = line.int_list(obj, "output_tokens")
+    return Request(str(session), turn, ts, inputs, outputs)
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def load_trace(path: str | Path) -> Workload:
+    """Load a Mooncake or authors'-format JSONL trace; malformed input raises TraceError."""
+    path = Path(path)
+    _check_file(path)
+    lines = _lines(path)
+    first = next(lines, None)
+    if first is None:
+        raise TraceError(f"{path}: empty trace file (no non-empty lines)")
+    obj = _Line(path, first[0]).parse(first[2])
+    keys = set(obj)
+    if keys >= set(MOONCAKE_FIELDS):
+        records = []
+        for lineno, _, raw in [first, *lines]:
+            line = _Line(path, lineno)
+            records.append(_mooncake_record(line, line.parse(raw)))
+        return MooncakeTrace(path, records)
+    if keys >= set(AUTHORS_FIELDS):
+        index = []
+        for lineno, offset, raw in [first, *lines]:
+            req = _authors_request(_Line(path, lineno), raw, len(index))
+            index.append((req.arrival_s, offset, lineno, req.session_id))
+        return JsonlTrace(path, index)
+    raise TraceError(
+        f"{path}:{first[0]}: unknown trace format, fields seen: {sorted(keys)}; expected "
+        f"Mooncake {list(MOONCAKE_FIELDS)} or authors' {list(AUTHORS_FIELDS)}"
+    )
+
+
+def save_trace(workload: Workload, path: str | Path) -> Path:
+    """Write `workload` in the authors' JSONL format (token lists written out in full)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in workload:
+            rec = {
+                "session_id": r.session_id,
+                "turn_id": r.turn,
+                "ts": r.arrival_s,
+                "input_tokens": r.input_tokens.tolist(),
+                "output_tokens": r.output_tokens.tolist(),
+            }
+            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+    return path
+
+
+_SYNTHETIC_PARAMS = {
+    "seed": int,
+    "sessions": int,
+    "session_rate": float,
+    "turn_gap_s": float,
+    "vocab": int,
+    "scale": float,
+}
+
+
+def load_workload(spec: str) -> Workload:
+    """A CLI workload spec: a trace path, `synthetic:KIND` or `synthetic:KIND:key=value,...`."""
+    if not spec.startswith("synthetic:"):
+        return load_trace(spec)
+    from sglang_marconi.sim.synthetic import generate
+
+    kind, _, params = spec[len("synthetic:") :].partition(":")
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in params.split(","))):
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if not eq:
+            raise MarconiError(f"workload spec {spec!r}: expected key=value, got {item!r}")
+        if key not in _SYNTHETIC_PARAMS:
+            raise MarconiError(
+                f"workload spec {spec!r}: unknown parameter {key!r}; known: {list(_SYNTHETIC_PARAMS)}"
+            )
+        try:
+            kwargs[key] = _SYNTHETIC_PARAMS[key](value)
+        except ValueError:
+            kind_name = {int: "an integer", float: "a number"}[_SYNTHETIC_PARAMS[key]]
+            raise MarconiError(
+                f"workload spec {spec!r}: parameter {key!r} needs {kind_name}, got {value!r}"
+            ) from None
+    return generate(kind, **kwargs)

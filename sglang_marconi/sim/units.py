@@ -1,0 +1,39 @@
+"""Byte sizes as users write them: 2GB (10^9 bytes), 2GiB (2^30), 500MB, 1.5TB, or plain bytes."""
+
+from __future__ import annotations
+
+import re
+
+from sglang_marconi.policy.errors import MarconiError
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    match = _PATTERN.match(text)
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _UNITS:
+        raise MarconiError(f"cannot read capacity {text!r}: use a number with GB (10^9 bytes), GiB (2^30), MB, MiB, TB or no unit")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise MarconiError(f"capacity {text!r} must be positive")
+    return value
+
+
+def parse_capacities(text: str) -> list[int]:
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise MarconiError(f"no capacity given in {text!r}")
+    return [parse_bytes(t) for t in items]
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"

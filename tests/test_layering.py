@@ -1,0 +1,41 @@
+"""The layering rules: the policy core imports neither torch nor SGLang nor anything above it."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "sglang_marconi"
+# layer -> packages it must never import
+FORBIDDEN = {
+    "policy": ("torch", "sglang", "sglang_marconi.sim"),
+    "sim": ("torch", "sglang"),
+}
+
+
+def imports_of(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+
+
+def test_layers_do_not_import_upward_or_engines():
+    bad = []
+    for layer, forbidden in FORBIDDEN.items():
+        for path in (PACKAGE / layer).rglob("*.py"):
+            for name in imports_of(path):
+                if any(name == f or name.startswith(f + ".") for f in forbidden):
+                    bad.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert not bad, bad
+
+
+def test_importing_the_simulator_loads_no_torch_or_sglang():
+    code = (
+        "import sys, sglang_marconi.sim.cli, sglang_marconi.policy.alpha_tuner, sglang_marconi.policy.model_profile;"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

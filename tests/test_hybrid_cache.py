@@ -179,3 +179,13 @@ def test_page_granularity(toy):
     assert c.kv_tokens == 8
     lookup = c.lookup(list(range(6)) + [99] * 6)
     assert lookup.overlap_tokens == 4
+
+
+def test_attention_only_model_reuses_any_cached_prefix():
+    from conftest import ToyProfile
+
+    c = HybridPrefixCache(ToyProfile(ssm_state_bytes=0), 1_000)
+    c.serve(list(range(50)), [])
+    lookup = c.lookup(list(range(30)) + [99])
+    assert lookup.hit_tokens == 30 and lookup.checkpoint_at is None
+    assert c.ssm_states == 1 and c.used_bytes == 50  # the end "state" costs nothing

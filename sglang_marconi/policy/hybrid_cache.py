@@ -78,6 +78,8 @@ class HybridPrefixCache:
         self.checkpoint_grid = checkpoint_grid
         self.kv_bytes_per_token = int(profile.kv_bytes_per_token)
         self.ssm_state_bytes = int(profile.ssm_state_bytes)
+        # A pure Transformer needs no SSM state to reuse a prefix (the paper's pure-attention axis).
+        self.attention_only = self.ssm_state_bytes == 0
         self.tree = RadixTree(page_size)
         self.index = CandidateIndex()
         self.kv_tokens = 0
@@ -105,14 +107,21 @@ class HybridPrefixCache:
         for node in walk.path:
             if node.end > limit:
                 break
-            if node.has_state:
+            if node.has_state or self.attention_only:
                 hit_node = node
+        if self.attention_only:  # no SSM layers: any cached prefix is reusable, mid-edge too
+            hit = self.tree.page_aligned(min(walk.overlap, limit))
+            self._touch_hit(walk, hit_node)
+            return Lookup(hit, walk.overlap, None, hit_node)
+        self._touch_hit(walk, hit_node)
+        return Lookup(hit_node.end, walk.overlap, self._branch_checkpoint(walk, hit_node.end), hit_node)
+
+    def _touch_hit(self, walk: Walk, hit_node: Node) -> None:
         if self.eviction.refresh_matched_path:
             for node in walk.path:
                 self._touch(node)
         elif hit_node is not self.tree.root:
             self._touch(hit_node)
-        return Lookup(hit_node.end, walk.overlap, self._branch_checkpoint(walk, hit_node.end), hit_node)
 
     def _branch_checkpoint(self, walk: Walk, hit: int) -> int | None:
         # Inserting the input creates a new intermediate node where it leaves an edge midway,

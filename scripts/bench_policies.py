@@ -47,11 +47,11 @@ def fmt_row(label, runs, bound):
     ok = d_hit >= -0.5 and m.flops_saved >= s.flops_saved * (1 - 1e-12)
     ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"
     share = lambda r: f"{100 * r.token_hit_rate / bound:.0f}%" if bound else "-"
-    alphas = sorted({a for _, a in m.alpha_history})
+    alphas = sorted(set(m.choices_used()), key=lambda c: (c != "lru", c))
     return (f"| {label} | {100 * v.token_hit_rate:.2f} | {100 * s.token_hit_rate:.2f} | {100 * m.token_hit_rate:.2f} "
             f"| {d_hit:+.2f} | {ratio(m.flops_saved, s.flops_saved)} | {ratio(m.token_hit_rate, s.token_hit_rate)} "
             f"| {ratio(m.token_hit_rate, v.token_hit_rate)} | {share(v)} / {share(s)} / {share(m)} "
-            f"| {','.join(f'{a:g}' for a in alphas)} | {m.tuning_seconds / max(m.wall_seconds, 1e-9):.0%} "
+            f"| {','.join(alphas)} | {m.tuning_seconds / max(m.wall_seconds, 1e-9):.0%} "
             f"| {'yes' if ok else 'NO'} |")
 
 

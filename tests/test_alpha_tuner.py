@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sglang_marconi.policy.alpha_tuner import (
-    AlphaScore, AlphaTuner, TuningConfig, WindowRequest, pick_alpha, replay_window,
+    LRU, AlphaScore, AlphaTuner, TuningConfig, WindowRequest, pick_choice, replay_window,
 )
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction import FlopAwareEviction, LruLeafEviction
@@ -40,7 +40,7 @@ def test_alpha_zero_until_first_eviction_then_window_of_multiplier_times(toy):
     ends = [at for at, _ in tuner.log.history[1:]]
     assert ends[0] == first_eviction_at + tuner.window_len
     assert all(b - a == tuner.window_len for a, b in zip(ends, ends[1:]))  # re-tuned every window
-    assert len(tuner.log.windows) == len(ends) and len(tuner.log.windows[0]) == 21
+    assert len(tuner.log.windows) == len(ends) and len(tuner.log.windows[0]) == 22  # LRU + 21 alphas
 
 
 def test_tuning_finds_positive_alpha_when_flops_matter(toy):
@@ -56,12 +56,28 @@ def test_tuning_finds_positive_alpha_when_flops_matter(toy):
     assert best.flops_saved > next(s for s in window if s.alpha == 0).flops_saved
 
 
-def test_pick_alpha_keeps_lru_on_ties_and_follows_objective():
+def test_pick_choice_keeps_baseline_on_ties_and_follows_objective():
     scores = [AlphaScore(0.0, 10.0, 5, 100), AlphaScore(0.5, 10.0, 9, 100), AlphaScore(1.0, 9.0, 7, 100)]
-    assert pick_alpha(scores, "flops") == 0.0  # 0.5 only ties on FLOPs
-    assert pick_alpha(scores, "token_hit_rate") == 0.5
+    assert pick_choice(scores, "flops") == 0.0  # 0.5 only ties on FLOPs
+    assert pick_choice(scores, "token_hit_rate") == 0.5
     scores.append(AlphaScore(1.5, 12.0, 1, 100))
-    assert pick_alpha(scores, "flops") == 1.5
+    assert pick_choice(scores, "flops") == 1.5
+    with_lru = [AlphaScore(LRU, 12.0, 1, 100)] + scores
+    assert pick_choice(with_lru, "flops") == LRU  # SGLang's LRU is the baseline and wins the tie
+
+
+def test_tuner_can_switch_to_lru_and_back(toy):
+    cache = HybridPrefixCache(toy, 600, FlopAwareEviction(0.0))
+    tuner = AlphaTuner(cache, TuningConfig(bootstrap_multiplier=3, workers=0))
+    tuner.after_request("x", np.arange(5), np.arange(1))  # no eviction yet: nothing happens
+    from sglang_marconi.policy.alpha_tuner import _adopt
+
+    _adopt(cache, LRU)
+    assert isinstance(cache.eviction, LruLeafEviction)
+    cache.check_invariants()
+    _adopt(cache, 0.7)
+    assert isinstance(cache.eviction, FlopAwareEviction) and cache.eviction.alpha == 0.7
+    cache.check_invariants()
 
 
 def test_replay_window_matches_direct_replay(toy):

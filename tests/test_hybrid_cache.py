@@ -188,4 +188,4 @@ def test_attention_only_model_reuses_any_cached_prefix():
     c.serve(list(range(50)), [])
     lookup = c.lookup(list(range(30)) + [99])
     assert lookup.hit_tokens == 30 and lookup.checkpoint_at is None
-    assert c.ssm_states == 1 and c.used_bytes == 50  # the end "state" costs nothing
+    assert c.ssm_states == 0 and c.used_bytes == 50

@@ -3,8 +3,12 @@
 alpha stays 0 (LRU) until the cache's first eviction. From then on requests are recorded in
 windows of `bootstrap_multiplier x (requests seen before the first eviction)`; at the end of
 each window the window is replayed from a snapshot of the cache taken at its start, once per
-alpha of the grid, in worker processes, and the best alpha is adopted. alpha 0 wins ties, so
-Marconi only leaves LRU when another alpha did better on the window just seen.
+alpha of the grid, in worker processes, and the best alpha is adopted.
+
+Beyond the paper, "alpha = 0 (LRU)" is SGLang's own LRU (leaves only, whole-path refresh: the
+SGLang+ baseline): the cache starts with it, the replays include it, and it wins ties. Marconi
+leaves LRU only for an alpha that did better on the window just seen, so where LRU is right (or
+no window has completed yet) it behaves exactly like LRU.
 
 With `sample_rate` < 1 the replays run over a hash-sampled subset of sessions against a shadow
 cache of proportionally scaled capacity (spatial sampling, as in SHARDS), cutting tuning work
@@ -24,13 +28,15 @@ from typing import Sequence
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction.flop_aware import FlopAwareEviction, check_alpha
+from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction
+from sglang_marconi.policy.eviction.flop_aware import check_alpha
 from sglang_marconi.policy.hybrid_cache import CacheSnapshot, HybridPrefixCache
 
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ("flops", "token_hit_rate")
 DEFAULT_ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(21))
+LRU = "lru"  # the tuning choice that stands for SGLang's LRU (LruLeafEviction)
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class TuningConfig:
     alpha_grid: tuple[float, ...] = DEFAULT_ALPHA_GRID
     objective: str = "flops"
     retune: bool = True  # beyond the paper: re-tune every window so alpha follows drift
+    lru_baseline: bool = True  # beyond the paper: SGLang's LRU is a choice too, and wins ties
     workers: int = 2
     sample_rate: float = 1.0
     timeout_s: float = 600.0
@@ -66,21 +73,29 @@ class WindowRequest:
 
 @dataclass(frozen=True, slots=True)
 class AlphaScore:
-    alpha: float
+    choice: float | str  # an alpha, or LRU
     flops_saved: float
     hit_tokens: int
     input_tokens: int
+
+    @property
+    def alpha(self) -> float:
+        return 0.0 if self.choice == LRU else float(self.choice)
 
     @property
     def token_hit_rate(self) -> float:
         return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
 
 
-def replay_window(profile, snapshot: CacheSnapshot, window: Sequence[WindowRequest], alphas: Sequence[float]) -> list[AlphaScore]:
-    """Replay `window` from `snapshot` once per alpha (runs in a worker process)."""
+def eviction_for(choice: float | str) -> EvictionPolicy:
+    return LruLeafEviction() if choice == LRU else FlopAwareEviction(choice)
+
+
+def replay_window(profile, snapshot: CacheSnapshot, window: Sequence[WindowRequest], choices: Sequence[float | str]) -> list[AlphaScore]:
+    """Replay `window` from `snapshot` once per choice (runs in a worker process)."""
     scores = []
-    for alpha in alphas:
-        cache = HybridPrefixCache.from_snapshot(profile, snapshot, FlopAwareEviction(alpha))
+    for choice in choices:
+        cache = HybridPrefixCache.from_snapshot(profile, snapshot, eviction_for(choice))
         flops = 0.0
         hits = total = 0
         for req in window:
@@ -89,16 +104,17 @@ def replay_window(profile, snapshot: CacheSnapshot, window: Sequence[WindowReque
             flops += profile.prefill_flops(0, lookup.hit_tokens) if lookup.hit_tokens else 0.0
             hits += lookup.hit_tokens
             total += n
-        scores.append(AlphaScore(alpha, flops, hits, total))
+        scores.append(AlphaScore(choice, flops, hits, total))
     return scores
 
 
-def pick_alpha(scores: Sequence[AlphaScore], objective: str) -> float:
-    """Best alpha by the objective; alpha 0 (LRU) unless another alpha strictly beats it."""
+def pick_choice(scores: Sequence[AlphaScore], objective: str) -> float | str:
+    """Best choice by the objective. The baseline (LRU if replayed, else alpha 0) is kept unless
+    another choice strictly beats it; among equals the smallest alpha wins."""
     key = (lambda s: s.flops_saved) if objective == "flops" else (lambda s: s.hit_tokens)
-    baseline = next(s for s in scores if s.alpha == 0.0)
-    best = max(scores, key=lambda s: (key(s), -s.alpha))
-    return best.alpha if key(best) > key(baseline) else 0.0
+    baseline = next((s for s in scores if s.choice == LRU), None) or next(s for s in scores if s.choice == 0.0)
+    best = max(scores, key=lambda s: (key(s), s is baseline, -s.alpha))
+    return best.choice if key(best) > key(baseline) else baseline.choice
 
 
 def session_sampled(session_key: str, rate: float) -> bool:
@@ -115,6 +131,7 @@ class _PendingTuning:
 @dataclass
 class TuningLog:
     history: list[tuple[int, float]] = field(default_factory=list)  # (request index, adopted alpha)
+    choices: list[tuple[int, str]] = field(default_factory=list)  # (request index, "lru" or "marconi")
     windows: list[list[AlphaScore]] = field(default_factory=list)
     seconds: float = 0.0
     failures: int = 0
@@ -130,7 +147,7 @@ class AlphaTuner:
 
     def __init__(self, cache: HybridPrefixCache, config: TuningConfig = TuningConfig(), *, blocking: bool = True):
         if not isinstance(cache.eviction, FlopAwareEviction):
-            raise MarconiError("alpha tuning needs a cache with FlopAwareEviction")
+            raise MarconiError("alpha tuning starts from a cache with FlopAwareEviction (alpha 0 until the first eviction)")
         self.cache = cache
         self.config = config
         self.blocking = blocking
@@ -139,7 +156,9 @@ class AlphaTuner:
                 f"sample_rate={config.sample_rate} scales capacity {cache.capacity_bytes} below one request's two "
                 f"SSM states ({2 * cache.ssm_state_bytes} bytes); raise the sample rate"
             )
-        self.log = TuningLog(history=[(0, cache.eviction.alpha)])
+        if config.lru_baseline:
+            _adopt(cache, LRU)
+        self.log = TuningLog(history=[(0, self.alpha)], choices=[(0, cache.eviction.name)])
         self.requests_seen = 0
         self.window_len = 0  # 0 until the first eviction
         self.window: list[WindowRequest] = []
@@ -152,7 +171,11 @@ class AlphaTuner:
 
     @property
     def alpha(self) -> float:
-        return self.cache.eviction.alpha
+        return getattr(self.cache.eviction, "alpha", 0.0)
+
+    @property
+    def choices(self) -> tuple[float | str, ...]:
+        return ((LRU,) if self.config.lru_baseline else ()) + self.config.alpha_grid
 
     def after_request(self, session_key: str, input_tokens: np.ndarray, output_tokens: np.ndarray) -> None:
         self.requests_seen += 1
@@ -180,7 +203,7 @@ class AlphaTuner:
         if self.shadow is None:
             self.shadow = HybridPrefixCache(
                 self.cache.profile, int(self.cache.capacity_bytes * self.config.sample_rate),
-                FlopAwareEviction(self.alpha),
+                eviction_for(LRU if isinstance(self.cache.eviction, LruLeafEviction) else self.alpha),
                 checkpoint_grid=self.cache.checkpoint_grid, page_size=self.cache.tree.page_size,
             )
         return self.shadow
@@ -206,7 +229,7 @@ class AlphaTuner:
 
     def _submit(self, snapshot, window, at) -> _PendingTuning:
         started = time.perf_counter()
-        grid = self.config.alpha_grid
+        grid = self.choices
         if self.config.workers == 0:
             done: cf.Future = cf.Future()
             done.set_result(replay_window(self.cache.profile, snapshot, window, grid))
@@ -235,13 +258,14 @@ class AlphaTuner:
             return
         finally:
             self.log.seconds += time.perf_counter() - pending.started
-        scores.sort(key=lambda s: s.alpha)
+        scores.sort(key=lambda s: (s.choice != LRU, s.alpha))
         self.log.windows.append(scores)
-        alpha = pick_alpha(scores, self.config.objective)
-        self.cache.eviction.alpha = alpha
-        if self.shadow is not None:
-            self.shadow.eviction.alpha = alpha
-        self.log.history.append((pending.at, alpha))
+        choice = pick_choice(scores, self.config.objective)
+        for cache in (self.cache, self.shadow):
+            if cache is not None:
+                _adopt(cache, choice)
+        self.log.history.append((pending.at, self.alpha))
+        self.log.choices.append((pending.at, self.cache.eviction.name))
 
     def _reset_executor(self) -> None:
         if self._executor is not None:
@@ -253,3 +277,13 @@ class AlphaTuner:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def _adopt(cache: HybridPrefixCache, choice: float | str) -> None:
+    if choice == LRU:
+        if not isinstance(cache.eviction, LruLeafEviction):
+            cache.set_eviction(LruLeafEviction())
+    elif isinstance(cache.eviction, FlopAwareEviction):
+        cache.eviction.alpha = float(choice)
+    else:
+        cache.set_eviction(FlopAwareEviction(float(choice)))

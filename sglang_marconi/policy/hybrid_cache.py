@@ -142,8 +142,8 @@ class HybridPrefixCache:
             return 0
         seq = seq[:n]
         walk = self.tree.walk(seq)
-        positions = [n]
-        if checkpoint_at is not None and 0 < checkpoint_at < n and checkpoint_at % self.tree.page_size == 0:
+        positions = [] if self.attention_only else [n]  # no SSM layers: nothing to checkpoint
+        if positions and checkpoint_at is not None and 0 < checkpoint_at < n and checkpoint_at % self.tree.page_size == 0:
             positions.insert(0, int(checkpoint_at))
         stateful_ends = {node.end for node in walk.path if node.has_state}
         new_states = sum(1 for p in positions if p not in stateful_ends)
@@ -266,12 +266,22 @@ class HybridPrefixCache:
         return n_children == 0 or (n_children == 1 and node.has_state and self.eviction.evicts_single_child_nodes)
 
     def flop_efficiency(self, node: Node) -> float:
-        """Eq. 1: FLOPs saved by reusing `node`'s state rather than its parent's, per byte its
-        eviction would free (a leaf frees KV and state, a single-child node only its state)."""
-        if not node.has_state:
+        """Eq. 1: FLOPs saved by reusing `node` rather than its parent, per byte its eviction
+        would free (a leaf frees KV and state, a single-child node only its state). A node
+        without a state saves nothing on its own, unless the model has no SSM layers."""
+        if not (node.has_state or self.attention_only):
             return 0.0
-        freed = self.ssm_state_bytes + (0 if node.children else len(node.tokens) * self.kv_bytes_per_token)
-        return self.profile.prefill_flops(node.parent.end, node.end) / freed
+        freed = (self.ssm_state_bytes if node.has_state else 0) + (
+            0 if node.children else len(node.tokens) * self.kv_bytes_per_token)
+        return self.profile.prefill_flops(node.parent.end, node.end) / freed if freed else 0.0
+
+    def set_eviction(self, eviction: EvictionPolicy) -> None:
+        """Switch eviction policy (alpha tuning may move between LRU and FLOP-aware eviction)."""
+        if eviction is self.eviction:
+            return
+        self.eviction = eviction
+        for node in self.tree.nodes():
+            self._refresh(node)
 
     def _refresh(self, node: Node) -> None:
         if node is self.tree.root:

@@ -127,7 +127,7 @@ def format_table(runs: list[RunResult]) -> str:
             return f"{r.token_hit_rate / other.token_hit_rate:.2f}" if other and other.token_hit_rate else "-"
         share = f"{100 * r.token_hit_rate / bound.token_hit_rate:.0f}" if bound and bound.token_hit_rate else "-"
         cap = "-" if r.policy in CAPACITY_FREE else format_bytes(r.capacity_bytes)
-        alpha = f"{r.alpha_history[-1][1]:.1f}" if r.policy.startswith("marconi") else ""
+        alpha = (r.choices_used() or [""])[-1] if r.policy.startswith("marconi") else ""
         s = r.stats
         lines.append(
             f"{r.policy:<18}{cap:>10}{100 * r.token_hit_rate:>9.2f}{100 * r.request_hit_rate:>9.1f}"

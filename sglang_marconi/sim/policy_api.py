@@ -33,6 +33,7 @@ class PolicyStats:
     evictions_intermediate: int = 0
     admissions_skipped: int = 0  # requests (or states) not cached because they could not fit
     alpha_history: list[tuple[int, float]] = field(default_factory=list)  # (request index, alpha)
+    eviction_history: list[tuple[int, str]] = field(default_factory=list)  # (request index, eviction policy)
     tuning_seconds: float = 0.0
 
 

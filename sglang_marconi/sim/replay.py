@@ -40,6 +40,15 @@ class RunResult:
     modeled_ttft_p95_s: float
     per_request: dict[str, list] = field(default_factory=dict, repr=False)
 
+    def choices_used(self) -> list[str]:
+        """Eviction choices a run went through in order: an alpha, or 'lru' (SGLang's LRU)."""
+        labels = []
+        for (_, alpha), (_, name) in zip(self.alpha_history, self.stats.eviction_history or []):
+            label = "lru" if name == "lru-leaves" else f"{alpha:g}"
+            if not labels or labels[-1] != label:
+                labels.append(label)
+        return labels
+
     def to_json(self, with_requests: bool = False) -> dict:
         out = asdict(self)
         out["alpha_history"] = [list(x) for x in self.alpha_history]

@@ -33,6 +33,7 @@ class HybridRadixPolicy:
         c = self.cache
         eviction = c.eviction
         history = self.tuner.log.history if self.tuner else [(0, getattr(eviction, "alpha", 0.0))]
+        choices = self.tuner.log.choices if self.tuner else [(0, eviction.name)]
         return PolicyStats(
             kv_tokens_cached=c.kv_tokens,
             ssm_states_cached=c.ssm_states,
@@ -41,6 +42,7 @@ class HybridRadixPolicy:
             evictions_intermediate=c.counters.evictions_single_child,
             admissions_skipped=c.counters.admissions_skipped,
             alpha_history=list(history),
+            eviction_history=list(choices),
             tuning_seconds=self.tuner.log.seconds if self.tuner else 0.0,
         )
 

@@ -76,16 +76,25 @@ def sweep(name, capacities, out, quick):
     return all_runs
 
 
+def footprint(profile, tokens=20_000):
+    """Bytes one typical swe-agent request leaves cached: its KV plus two SSM states."""
+    return profile.kv_bytes_per_token * tokens + 2 * profile.ssm_state_bytes
+
+
 def axis(title, variants, out):
+    # Capacity scales with each model's per-request footprint, so every variant sees the same
+    # contention (about as many requests fit) and only the layer mix or state size changes.
     workload = load_workload(AXIS_WORKLOAD)
-    print(f"\n### {title} ({AXIS_WORKLOAD}, {AXIS_CAPACITY_GB} GB)\n")
-    print(HEADER.format(first="model"))
+    ref = footprint(load_profile("paper-7b"))
+    print(f"\n### {title} ({AXIS_WORKLOAD}; capacity = {AXIS_CAPACITY_GB} GB x footprint / paper-7b's)\n")
+    print(HEADER.format(first="model (capacity)"))
     all_runs = []
     for label, profile in variants:
+        capacity_gb = AXIS_CAPACITY_GB * footprint(profile) / ref
         bound = replay(workload, build_policy("infinite", profile, 1), profile, 1, progress=False)
-        runs = run_cell(workload, profile, AXIS_CAPACITY_GB, POLICIES)
+        runs = run_cell(workload, profile, capacity_gb, POLICIES)
         all_runs += runs.values()
-        print(fmt_row(label, runs, bound.token_hit_rate), flush=True)
+        print(fmt_row(f"{label} ({capacity_gb:.1f} GB)", runs, bound.token_hit_rate), flush=True)
     return all_runs
 
 

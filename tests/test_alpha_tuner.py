@@ -1,7 +1,8 @@
 """Alpha tuning: bootstrap window sizing, grid replay, the keep-LRU-unless-beaten rule,
 sampling, worker failure."""
 
-import concurrent.futures as cf
+import logging
+import os
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ from sglang_marconi.policy.alpha_tuner import (
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction import FlopAwareEviction, LruLeafEviction
 from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
+
+from conftest import ToyProfile
 
 
 def contended_requests(n, seed=0):
@@ -104,22 +107,25 @@ def test_worker_processes_give_the_same_answer(toy):
     assert results[0] == results[1]
 
 
-def test_failed_tuning_keeps_alpha_and_serving(toy, caplog):
-    cache = HybridPrefixCache(toy, 1_500, FlopAwareEviction(0.0))
-    tuner = AlphaTuner(cache, TuningConfig(bootstrap_multiplier=1, workers=0))
+class WorkerKillingProfile(ToyProfile):
+    """Serves normally here, but kills the worker process that unpickles it."""
 
-    def broken_submit(snapshot, window, at):
-        fut = cf.Future()
-        fut.set_exception(RuntimeError("worker died"))
-        from sglang_marconi.policy.alpha_tuner import _PendingTuning
-        return _PendingTuning([fut], 0.0, at)
+    def __reduce__(self):
+        return (os._exit, (3,))
 
-    tuner._submit = broken_submit
-    for sid, inp, out in contended_requests(120):
-        cache.serve(inp, out)
-        tuner.after_request(sid, inp, out)
-    assert tuner.log.failures >= 1 and tuner.alpha == 0.0
-    assert "alpha tuning failed" in caplog.text
+
+def test_dying_worker_keeps_alpha_and_serving(caplog):
+    cache = HybridPrefixCache(WorkerKillingProfile(), 1_500, FlopAwareEviction(0.0))
+    tuner = AlphaTuner(cache, TuningConfig(bootstrap_multiplier=1, workers=1))
+    served = 0
+    with caplog.at_level(logging.WARNING):
+        for sid, inp, out in contended_requests(150):
+            cache.serve(inp, out)
+            tuner.after_request(sid, inp, out)
+            served += 1
+    tuner.close()
+    assert served == 150 and tuner.log.failures >= 1 and tuner.alpha == 0.0
+    assert "alpha tuning failed" in caplog.text and "BrokenProcessPool" in caplog.text
     cache.check_invariants()
 
 

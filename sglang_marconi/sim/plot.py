@@ -10,6 +10,7 @@ from sglang_marconi.sim.replay import RunResult
 
 def plot_runs(runs: list[RunResult], path: str | Path, title: str = "") -> Path:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -33,6 +34,7 @@ def plot_runs(runs: list[RunResult], path: str | Path, title: str = "") -> Path:
         ax.set_ylabel(ylabel)
         if len(capacities) > 1 and capacities[-1] / capacities[0] >= 8:
             ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)

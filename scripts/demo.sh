@@ -3,5 +3,5 @@
 # paper's 7B hybrid profile for every policy and several cache sizes; print a table, write
 # out/demo.json and out/demo.png. Extra arguments go to `python -m sglang_marconi.sim`.
 source "$(dirname "$0")/venv.sh" base
-exec python -m sglang_marconi.sim --model paper-7b --capacity 10GB,20GB,40GB,80GB \
+exec python -m sglang_marconi.sim --model paper-7b --capacity 2GB,5GB,10GB,20GB \
   --json out/demo.json --plot out/demo.png "$@"

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--trace", help="trace file: the Marconi authors' JSONL or a Mooncake block-hash JSONL")
     src.add_argument("--workload", help=f"synthetic:KIND[:key=value,...] (default {DEFAULT_WORKLOAD})")
     p.add_argument("--model", default="paper-7b", help="built-in profile name or a config.json path (default paper-7b)")
-    p.add_argument("--capacity", default="20GB,40GB,80GB,160GB", help="comma list, GB = 10^9 bytes, GiB = 2^30")
+    p.add_argument("--capacity", default="2GB,5GB,10GB,20GB", help="comma list, GB = 10^9 bytes, GiB = 2^30")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma list (default {DEFAULT_POLICIES}); marconi:A fixes alpha")
     p.add_argument("--json", help="write the runs here")
     p.add_argument("--plot", help="write a PNG of hit rate and FLOPs saved against capacity")

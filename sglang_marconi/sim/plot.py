@@ -34,7 +34,9 @@ def plot_runs(runs: list[RunResult], path: str | Path, title: str = "") -> Path:
         ax.set_ylabel(ylabel)
         if len(capacities) > 1 and capacities[-1] / capacities[0] >= 8:
             ax.set_xscale("log")
+            ax.set_xticks([c / 1e9 for c in capacities])
             ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)

@@ -21,7 +21,6 @@ import concurrent.futures as cf
 import logging
 import multiprocessing
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -31,6 +30,7 @@ from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction
 from sglang_marconi.policy.eviction.flop_aware import check_alpha
 from sglang_marconi.policy.hybrid_cache import CacheSnapshot, HybridPrefixCache
+from sglang_marconi.policy.sampling import session_in_sample
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +117,6 @@ def pick_choice(scores: Sequence[AlphaScore], objective: str) -> float | str:
     return best.choice if key(best) > key(baseline) else baseline.choice
 
 
-def session_sampled(session_key: str, rate: float) -> bool:
-    return rate >= 1.0 or zlib.crc32(session_key.encode()) < rate * 2**32
-
-
 @dataclass(slots=True)
 class _PendingTuning:
     parts: list[cf.Future]
@@ -180,7 +176,7 @@ class AlphaTuner:
     def after_request(self, session_key: str, input_tokens: np.ndarray, output_tokens: np.ndarray) -> None:
         self.requests_seen += 1
         self._collect_result()
-        sampled = session_sampled(session_key, self.config.sample_rate)
+        sampled = session_in_sample(session_key, self.config.sample_rate)
         if sampled and self.config.sample_rate < 1:
             self._shadow().serve(input_tokens, output_tokens)
         if self.window_len == 0:

@@ -8,13 +8,15 @@ buffer per session and hand out views into it.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.sampling import check_rate, session_in_sample
+
+__all__ = ["Request", "Workload", "ListWorkload", "sample_sessions", "session_in_sample"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)  # eq=False: ndarray fields cannot be compared/hashed
@@ -98,27 +100,9 @@ class _FilteredWorkload(Workload):
         return [s for s in self._base.session_ids() if self._keep(s)]
 
 
-def _check_rate(rate: float) -> float:
-    if not (isinstance(rate, (int, float)) and 0.0 < rate <= 1.0):
-        raise MarconiError(f"sampling rate must be in (0, 1], got {rate!r}")
-    return float(rate)
-
-
-def session_in_sample(session_id: str, rate: float, salt: int = 0) -> bool:
-    """Deterministic session sampling, stable across processes and platforms.
-
-    A session is kept when the first 8 bytes of blake2b(f"{salt}\\0{session_id}") fall below
-    rate * 2**64, so every request of a session is kept or dropped together.
-    """
-    if _check_rate(rate) >= 1.0:
-        return True
-    digest = hashlib.blake2b(f"{salt}\0{session_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") < rate * 2.0**64
-
-
 def sample_sessions(workload: Workload, rate: float, salt: int = 0) -> Workload:
     """The requests of `workload` whose session is in the hash sample (rate 1 returns it as is)."""
-    if _check_rate(rate) >= 1.0:
+    if check_rate(rate) >= 1.0:
         return workload
     return _FilteredWorkload(
         workload,

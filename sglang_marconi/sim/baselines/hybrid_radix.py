@@ -20,11 +20,9 @@ class HybridRadixPolicy:
         self.name = name
         self.cache = HybridPrefixCache(profile, capacity_bytes, eviction, checkpoint_grid=checkpoint_grid)
         self.tuner = AlphaTuner(self.cache, tuning) if tuning is not None else None
-        self._served = 0
 
     def serve(self, request: Request) -> Outcome:
         lookup, admitted = self.cache.serve(request.input_tokens, request.output_tokens)
-        self._served += 1
         if self.tuner is not None:
             self.tuner.after_request(request.session_id, request.input_tokens, request.output_tokens)
         return Outcome(request.input_len, lookup.hit_tokens, lookup.overlap_tokens, admitted)

@@ -8,8 +8,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "sglang_marconi"
 # layer -> packages it must never import
 FORBIDDEN = {
-    "policy": ("torch", "sglang", "sglang_marconi.sim"),
-    "sim": ("torch", "sglang"),
+    "policy": ("torch", "sglang", "sglang_marconi.sim", "sglang_marconi.serving"),
+    "sim": ("torch", "sglang", "sglang_marconi.serving"),
 }
 
 

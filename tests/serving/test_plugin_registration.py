@@ -1,0 +1,59 @@
+"""The `marconi` backend is registered through SGLang's plugin entry points, including inside a
+spawned process (SGLang starts its schedulers with spawn)."""
+
+import multiprocessing
+
+import pytest
+
+pytest.importorskip("sglang")
+
+
+def _registered_after_load_plugins(queue):
+    from sglang.srt.mem_cache.registry import registered_radix_cache_backends
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # what every scheduler process does first
+    queue.put(registered_radix_cache_backends())
+
+
+def test_backend_registered_in_spawned_process():
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_registered_after_load_plugins, args=(queue,))
+    proc.start()
+    backends = queue.get(timeout=120)
+    proc.join(timeout=60)
+    assert "marconi" in backends
+
+
+def test_register_is_idempotent():
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+
+    from sglang_marconi.serving.plugin import marconi_radix_cache_factory, register
+
+    register()
+    register()
+    assert get_radix_cache_factory("marconi") is marconi_radix_cache_factory
+
+
+def test_unknown_architecture_falls_back_with_a_warning(caplog):
+    from sglang_marconi.serving.plugin import served_model_profile
+
+    assert served_model_profile({"architectures": ["TotallyNewForCausalLM"], "model_type": "new"}) is None
+    assert "TotallyNewForCausalLM" in caplog.text and "LRU" in caplog.text
+
+
+def test_hybrid_configs_give_sensible_profiles():
+    from sglang_marconi.policy.model_profile import BUILTIN_PROFILE_NAMES
+    from sglang_marconi.serving.plugin import served_model_profile
+    import json
+    from pathlib import Path
+
+    import sglang_marconi.policy as policy
+
+    for name in BUILTIN_PROFILE_NAMES:
+        path = Path(policy.__file__).parent / "profiles" / f"{name}.json"
+        if not path.exists():
+            continue
+        profile = served_model_profile(json.loads(path.read_text()))
+        assert profile is not None and profile.prefill_flops(0, 1000) > 0, name

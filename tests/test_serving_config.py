@@ -1,0 +1,55 @@
+"""Marconi's serving flags and the launcher's checks (no SGLang needed)."""
+
+import argparse
+
+import pytest
+
+from sglang_marconi.launch_server import gpu_problem, main, prepare
+from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.serving.config import ENV_VAR, MarconiServingConfig, add_marconi_args, config_from_args
+
+
+def parse(*argv):
+    p = argparse.ArgumentParser()
+    add_marconi_args(p)
+    return config_from_args(p.parse_args(list(argv)))
+
+
+def test_defaults_and_round_trip_through_the_environment():
+    config = parse()
+    assert config.alpha is None and config.bootstrap_multiplier == 5 and len(config.alpha_grid) == 21
+    assert MarconiServingConfig.from_env({ENV_VAR: config.to_env()}) == config
+    fixed = parse("--marconi-alpha", "0.7", "--marconi-alpha-grid", "0,1", "--marconi-admission", "off")
+    assert (fixed.alpha, fixed.alpha_grid, fixed.admission) == (0.7, (0.0, 1.0), False)
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--marconi-alpha", "-1"), ("--marconi-alpha", "lots"), ("--marconi-alpha-grid", "2:0:0.1"),
+    ("--marconi-retune", "maybe"), ("--marconi-objective", "latency"), ("--marconi-admission", "yes"),
+    ("--marconi-bootstrap-multiplier", "0"), ("--marconi-tune-workers", "two"),
+])
+def test_bad_flag_values_name_the_flag(flag, value):
+    with pytest.raises(MarconiError, match=flag):
+        parse(flag, value)
+
+
+def test_prepare_selects_marconi_backend_and_keeps_sglang_flags(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    argv = prepare(["--model-path", "m", "--tp", "2", "--marconi-alpha", "1"])
+    assert argv == ["--model-path", "m", "--tp", "2", "--radix-cache-backend", "marconi"]
+    assert MarconiServingConfig.from_env().alpha == 1.0
+    assert prepare(["--model-path", "m", "--radix-cache-backend=other"])[-1] == "--radix-cache-backend=other"
+
+
+def test_launcher_reports_missing_gpu_in_one_line(capsys):
+    problem = gpu_problem(None)
+    if problem is None:
+        pytest.skip("this machine has a GPU")
+    assert main(["--model-path", "m"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "GPU" in err and "Traceback" not in err
+
+
+def test_launcher_rejects_bad_marconi_flag_before_anything_else(capsys):
+    assert main(["--model-path", "m", "--marconi-objective", "speed"]) == 2
+    assert "--marconi-objective" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction import FlopAwareEviction, LruLeafEviction
 from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
 
-from conftest import ToyProfile
+from toy_profile import ToyProfile
 
 
 def contended_requests(n, seed=0):

@@ -182,7 +182,7 @@ def test_page_granularity(toy):
 
 
 def test_attention_only_model_reuses_any_cached_prefix():
-    from conftest import ToyProfile
+    from toy_profile import ToyProfile
 
     c = HybridPrefixCache(ToyProfile(ssm_state_bytes=0), 1_000)
     c.serve(list(range(50)), [])

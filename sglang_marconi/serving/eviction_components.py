@@ -1,0 +1,581 @@
+"""FLOP-aware (Marconi) eviction inside SGLang's own `UnifiedRadixCache` (paper §4.2).
+
+SGLang frees memory under two separate pressures, each driven by one tree component's walk
+(`UnifiedRadixCache._evict_components`, one `_evict_device_next_node` call per step, at most
+one mutation per call):
+
+- KV-token shortage, FULL walk: only leaves free KV, so the candidates are SGLang's unlocked
+  evictable device leaves (`tree_core.evictable_device_leaves`). The walk returns the leaf;
+  SGLang deletes it whole, its Mamba state included.
+- Mamba-slot shortage, MAMBA walk: the candidates are nodes holding a Mamba state whose state
+  is unlocked, with at most one child: an evictable leaf is returned and deleted whole; a
+  single-child node only has its state tombstoned (SGLang's internal-node tombstone: its KV
+  stays and deeper hits still read it). If no such node exists but SGLang still holds unlocked
+  states (on nodes with several children, or on leaves whose KV is locked), the walk falls back
+  to upstream's choice (the least recently used unlocked state) so an allocation never fails
+  where upstream would succeed; these are counted as `evictions_fallback`.
+
+Victim = lowest `norm(recency) + alpha * norm(flop_efficiency)`, min-max normalized over the
+candidates of that pressure (`CandidateIndex.lowest`, i.e. `marconi_scores`, the policy core's
+code); alpha = 0 is LRU over the same candidates.
+
+Recency is SGLang's `node.last_access_time`. What SGLang refreshes: a match stamps the matched
+node *and every ancestor* (`unified_tree_core.py:1029-1033`, decreasing by 1e-5 per level so a
+parent stays older than its child); an insert stamps every node it walks (`_touch_node`,
+`:1096`); a split stamps the suffix node (`:1524`); the MAMBA component stamps the node it
+commits a state to (`mamba.py:248,252`). Only the MAMBA component's private LRU list refreshes
+just the matched node (`mamba.py:127-149`). So with this recency, a state on a single-child
+ancestor of a hit is refreshed too, unlike the paper's "refresh only the node hit"; leaves are
+unaffected (a hit's ancestors are never leaves).
+
+flop_efficiency(n) = prefill_flops(anchor_end, end(n)) / bytes freed, with
+- end(n) = tokens from the root to the end of n's edge (key lengths up the path, cached on the
+  node as `_marconi_end`: SGLang never changes a node's end, a split keeps the suffix node's);
+- anchor = n's parent in the paper's *compressed* tree: the nearest ancestor that is the root,
+  holds a state, or has several children. SGLang keeps stateless single-child nodes that the
+  paper would have merged into their child (split points whose branch is gone, and every state
+  this policy tombstones, since SGLang has no node merge); they count as part of the child's
+  edge, as in the paper, where the evicted node's edge is absorbed by its child;
+- bytes freed = ssm_state_bytes if n holds a state, plus, for a leaf, the KV of its
+  (compressed) edge, `(end - anchor_end) * kv_bytes_per_token`;
+- a node without a state saves no FLOPs (nothing can hit at it), so its efficiency is 0.
+A tree without a MAMBA component (attention only) counts every node as reusable with no state.
+
+Incremental index (no tree walk per eviction): one `CandidateIndex` per pressure, kept in one
+`MarconiTreeIndex` per cache (`cache.marconi_index`). Hooks overridden (both components unless
+noted), each O(1) except the path stamp:
+- `redistribute_on_node_split`, `commit_insert_component_data`, `discard_deleted_session_leaf`
+  (node deletion), `evict_component` (tombstone / deletion): mark the node, and the parent whose
+  child count changed, *structurally* dirty;
+- `acquire_component_lock` / `release_component_lock`: mark the lock's anchor dirty (the only
+  node whose candidacy a lock changes without HiCache: FULL's path lock only touches
+  ancestors, which have children; MAMBA's lock is single-node);
+- `update_component_on_insert_overlap` and MAMBA `refresh_lru(WALKDOWN)`: copy the fresh
+  `last_access_time` of a walked node into the index (SGLang stamps it just before);
+- FULL `finalize_match_result_in_tree_core`: runs after SGLang stamps the matched path, copies
+  the stamps of the indexed nodes on it (O(path), like SGLang's own stamping loop).
+Lazy part: dirty nodes are re-evaluated at the next eviction step (the tree is consistent
+there, and SGLang stamps a split suffix only after the split hook returns). A structurally dirty
+node whose compressed-tree status (skippable or not) changed also re-evaluates the first
+non-skippable node under each of its children, whose anchor moved. As a safety net, the chosen
+victim is re-evaluated before it is returned; if its entry was stale it is refreshed and the
+choice repeated (`counters.stale_repairs`, which the tests keep at 0).
+
+Not covered (the components delegate to upstream's walks, unchanged): HiCache host tiers and
+session radix cache, detected when a walk starts.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from sglang_marconi.policy.candidate_index import CandidateIndex
+from sglang_marconi.policy.eviction.flop_aware import check_alpha
+
+KV_PRESSURE = "kv"
+MAMBA_PRESSURE = "mamba"
+_KV, _MAMBA = 0, 1
+_PRESSURES = (KV_PRESSURE, MAMBA_PRESSURE)
+
+__all__ = [
+    "EvictionCounters",
+    "MarconiEvictionSettings",
+    "MarconiTreeIndex",
+    "MarconiVictim",
+    "marconi_component_overrides",
+    "marconi_index",
+]  # plus MarconiFullComponent / MarconiMambaComponent, built on first access (imports SGLang)
+
+
+@dataclass
+class EvictionCounters:
+    evictions_leaf: int = 0  # leaves deleted whole (KV and state), under either pressure
+    evictions_single_child: int = 0  # states tombstoned on single-child nodes (KV kept)
+    evictions_fallback: int = 0  # Mamba pressure without Marconi candidates: upstream's LRU state
+    stale_repairs: int = 0  # chosen victims whose index entry was out of date (expected 0)
+
+
+@dataclass(frozen=True)
+class MarconiVictim:
+    """One eviction decision, reported to `MarconiEvictionSettings.observer` before it is made."""
+
+    pressure: str  # KV_PRESSURE or MAMBA_PRESSURE
+    kind: str  # "leaf", "single_child" or "fallback"
+    node: Any  # SGLang's UnifiedTreeNode, still untouched
+    alpha: float
+
+
+class MarconiEvictionSettings:
+    """What the Marconi components need: the model's FLOP/byte profile and alpha.
+
+    `alpha` may be changed at any time (an alpha tuner does); the next eviction uses it.
+    `observer`, if set, is called with a `MarconiVictim` for every decision, before it is applied.
+    """
+
+    def __init__(self, profile, alpha: float = 0.0, observer: Optional[Callable[[MarconiVictim], None]] = None):
+        if isinstance(profile, str):
+            from sglang_marconi.policy.model_profile import load_profile
+
+            profile = load_profile(profile)
+        for attr in ("kv_bytes_per_token", "ssm_state_bytes", "prefill_flops"):
+            if not hasattr(profile, attr):
+                raise TypeError(f"profile {profile!r} has no {attr}")
+        self.profile = profile
+        self.alpha = alpha
+        self.counters = EvictionCounters()
+        self.observer = observer
+
+    @property
+    def alpha(self) -> float:
+        return self._alpha
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        self._alpha = check_alpha(value)
+
+    def __repr__(self) -> str:
+        return f"MarconiEvictionSettings(profile={getattr(self.profile, 'name', self.profile)!r}, alpha={self.alpha})"
+
+
+class MarconiTreeIndex:
+    """The eviction candidates of one SGLang tree, one `CandidateIndex` per pressure.
+
+    Works on SGLang's tree objects by duck typing (no SGLang import). Bound lazily to
+    `cache.tree_core` at the first eviction, and rebuilt (one tree walk) if the tree is reset.
+    """
+
+    def __init__(self, cache, settings: MarconiEvictionSettings, mamba_type):
+        self.cache = cache
+        self.settings = settings
+        self._mamba_type = mamba_type
+        self.root = None
+        self._dirty: set = set()
+        self._struct: set = set()
+        self._clear()
+
+    def _clear(self) -> None:
+        self.indexes = (CandidateIndex(), CandidateIndex())
+        self._slots: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        self._known: dict[int, bool] = {}  # node id -> skippable, as of its last flush
+
+    # -- hooks (cheap; may run mid-mutation, so they only record) --------------------------
+    def touched(self, node) -> None:
+        """Recency, lock or leaf-set membership of `node` may have changed."""
+        self._dirty.add(node)
+
+    def changed(self, node) -> None:
+        """`node`'s state, children or existence may have changed."""
+        self._struct.add(node)
+
+    def stamp(self, node) -> None:
+        """Copy `node.last_access_time` into the indexes (SGLang has just set it)."""
+        t = node.last_access_time
+        for p in (_KV, _MAMBA):
+            slot = self._slots[p].get(node.id)
+            if slot is not None:
+                self.indexes[p].last_access[slot] = t
+
+    def stamp_path(self, node) -> None:
+        while node is not None:
+            self.stamp(node)
+            node = node.parent
+
+    # -- binding ---------------------------------------------------------------------------
+    def _bind(self, tree_core) -> None:
+        self.tree_core = tree_core
+        self.root = tree_core.root_node
+        self._arena = tree_core._node_arena
+        self._leaves = tree_core.evictable_device_leaves
+        self._has_mamba = self._mamba_type in tree_core.components_by_type
+        profile = self.settings.profile
+        self._kv_bytes = int(profile.kv_bytes_per_token)
+        self._state_bytes = int(profile.ssm_state_bytes) if self._has_mamba else 0
+        self.root._marconi_end = 0
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Re-evaluate every node (after a reset, or after swapping the profile)."""
+        self._clear()
+        self._dirty.clear()
+        self._struct.clear()
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            self._known[node.id] = self._skippable(node)
+            self._refresh(node)
+
+    def delegating(self) -> bool:
+        """Whether SGLang runs features this policy does not model (then upstream's walks run)."""
+        tc = self.cache.tree_core
+        if tc.enable_hicache or tc.enable_session_radix_cache:
+            self._dirty.clear()
+            self._struct.clear()
+            self.root = None  # rebuild if ever used again
+            return True
+        return False
+
+    # -- the compressed tree ---------------------------------------------------------------
+    def _has_state(self, node) -> bool:
+        return self._has_mamba and node.component_data[self._mamba_type].value is not None
+
+    def _skippable(self, node) -> bool:
+        """A stateless single-child node: the paper's tree would have merged it into its child."""
+        return node is not self.root and len(node.children) == 1 and not self._has_state(node)
+
+    def _end(self, node) -> int:
+        end = getattr(node, "_marconi_end", None)
+        if end is not None:
+            return end
+        chain = []
+        while end is None:
+            chain.append(node)
+            node = node.parent
+            end = getattr(node, "_marconi_end", None)
+        for n in reversed(chain):
+            end += len(n.key)
+            n._marconi_end = end
+        return end
+
+    def _anchor_end(self, node) -> int:
+        parent = node.parent
+        while self._skippable(parent):
+            parent = parent.parent
+        return self._end(parent)
+
+    def evaluate(self, node) -> tuple[Optional[float], Optional[float]]:
+        """`node`'s flop_efficiency as a candidate of (KV pressure, Mamba pressure), None where it
+        is not a candidate. A live node of the bound tree is assumed."""
+        leaf = node in self._leaves
+        state = self._has_state(node)
+        mamba_cand = (
+            state
+            and node.component_data[self._mamba_type].lock_ref == 0
+            and (leaf or len(node.children) == 1)
+        )
+        if not (leaf or mamba_cand):
+            return None, None
+        if state or not self._has_mamba:
+            end = self._end(node)
+            start = self._anchor_end(node)
+            flops = self.settings.profile.prefill_flops(start, end)
+            state_bytes = self._state_bytes if state else 0
+            leaf_bytes = state_bytes + self._kv_bytes * (end - start)
+            leaf_eff = flops / leaf_bytes if leaf_bytes > 0 else 0.0
+            single_eff = flops / state_bytes if state_bytes > 0 else 0.0
+        else:
+            leaf_eff = single_eff = 0.0
+        return (leaf_eff if leaf else None), ((leaf_eff if leaf else single_eff) if mamba_cand else None)
+
+    # -- index maintenance -----------------------------------------------------------------
+    def _alive(self, node) -> bool:
+        return self._arena.get(node.id) is node
+
+    def _refresh(self, node) -> None:
+        if node is self.root:
+            return
+        if not self._alive(node):
+            self._set(_KV, node, 0.0, None)
+            self._set(_MAMBA, node, 0.0, None)
+            self._known.pop(node.id, None)
+            return
+        effs = self.evaluate(node)
+        t = node.last_access_time
+        self._set(_KV, node, t, effs[_KV])
+        self._set(_MAMBA, node, t, effs[_MAMBA])
+
+    def _set(self, p: int, node, last_access, eff: Optional[float]) -> None:
+        slots, index = self._slots[p], self.indexes[p]
+        slot = slots.get(node.id)
+        if eff is None:
+            if slot is not None:
+                del slots[node.id]
+                moved = index.remove(slot)
+                if moved is not None:
+                    slots[moved.id] = slot
+        elif slot is None:
+            slots[node.id] = index.add(node, last_access, eff)
+        else:
+            index.update(slot, last_access, eff)
+
+    def flush(self) -> None:
+        """Re-evaluate what the hooks marked since the last eviction step."""
+        tree_core = self.cache.tree_core
+        if tree_core.root_node is not self.root:
+            self._bind(tree_core)
+            return
+        if not (self._dirty or self._struct):
+            return
+        todo, self._dirty = self._dirty, set()
+        struct, self._struct = self._struct, set()
+        for node in struct:
+            todo.add(node)
+            if not self._alive(node):
+                continue
+            skippable = self._skippable(node)
+            # A node first seen here is new since the last flush: before, it did not exist,
+            # which is the same as being skipped.
+            if self._known.get(node.id, True) != skippable:
+                for child in node.children.values():
+                    while self._skippable(child):
+                        child = next(iter(child.children.values()))
+                    todo.add(child)
+            self._known[node.id] = skippable
+        for node in todo:
+            self._refresh(node)
+
+    def choose(self, pressure: int):
+        """The lowest-utility candidate for `pressure` (_KV or _MAMBA), or None if there is none."""
+        self.flush()
+        index, slots = self.indexes[pressure], self._slots[pressure]
+        repaired = None
+        while len(index):
+            node = index.lowest(self.settings.alpha)
+            if node is repaired or self._current(pressure, node, slots[node.id]):
+                return node
+            self.settings.counters.stale_repairs += 1
+            self._refresh(node)
+            repaired = node
+        return None
+
+    def _current(self, pressure: int, node, slot: int) -> bool:
+        if not self._alive(node):
+            return False
+        index = self.indexes[pressure]
+        eff = self.evaluate(node)[pressure]
+        return eff is not None and eff == index.efficiency[slot] and index.last_access[slot] == node.last_access_time
+
+    def check(self) -> None:
+        """Flush, then assert both indexes equal a from-scratch evaluation of the whole tree."""
+        self.flush()
+        if self.root is None:
+            return
+        expected: tuple[dict, dict] = ({}, {})
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is self.root:
+                continue
+            effs = self.evaluate(node)
+            for p in (_KV, _MAMBA):
+                if effs[p] is not None:
+                    expected[p][node.id] = (float(node.last_access_time), effs[p])
+        for p in (_KV, _MAMBA):
+            index = self.indexes[p]
+            actual = {n.id: (float(index.last_access[i]), float(index.efficiency[i])) for i, n in enumerate(index.items)}
+            assert actual == expected[p], (
+                f"{_PRESSURES[p]} index out of date: missing {sorted(expected[p].keys() - actual.keys())}, "
+                f"extra {sorted(actual.keys() - expected[p].keys())}, differing "
+                f"{sorted(k for k in actual.keys() & expected[p].keys() if actual[k] != expected[p][k])}"
+            )
+            assert all(self._slots[p][n.id] == i for i, n in enumerate(index.items)), "slot map out of date"
+
+    def report(self, pressure: str, kind: str, node) -> None:
+        counters = self.settings.counters
+        if kind == "leaf":
+            counters.evictions_leaf += 1
+        elif kind == "single_child":
+            counters.evictions_single_child += 1
+        else:
+            counters.evictions_fallback += 1
+        observer = self.settings.observer
+        if observer is not None:
+            observer(MarconiVictim(pressure, kind, node, self.settings.alpha))
+
+
+def marconi_index(cache) -> MarconiTreeIndex:
+    """The candidate index of a cache built with `marconi_component_overrides`."""
+    return cache.marconi_index
+
+
+@functools.cache
+def _component_classes():
+    """Build the SGLang subclasses (imports SGLang; once per process)."""
+    from sglang.srt.mem_cache.unified_cache.components.base import (
+        ComponentType,
+        EvictLayer,
+        LRURefreshPhase,
+    )
+    from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
+    from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+
+    class _MarconiHooks:
+        """Hooks shared by both components: record what may have changed for the index."""
+
+        marconi_settings: Optional[MarconiEvictionSettings] = None
+
+        def __init__(self, cache, params):
+            super().__init__(cache, params)
+            settings = type(self).marconi_settings
+            if not isinstance(settings, MarconiEvictionSettings):
+                raise TypeError(f"{type(self).__name__}: build it with marconi_component_overrides(settings)")
+            index = getattr(cache, "marconi_index", None)
+            if index is None:
+                index = MarconiTreeIndex(cache, settings, ComponentType.MAMBA)
+                cache.marconi_index = index
+            elif index.settings is not settings:
+                raise ValueError("the FULL and MAMBA Marconi components of one cache need the same settings")
+            self.marconi = index
+            self._marconi_delegate = False
+
+        def redistribute_on_node_split(self, new_parent, child):
+            super().redistribute_on_node_split(new_parent=new_parent, child=child)
+            self.marconi.changed(new_parent)
+            self.marconi.changed(child)
+
+        def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
+            super().commit_insert_component_data(
+                node=node, is_new_leaf=is_new_leaf, params=params, result=result, cache_actions=cache_actions
+            )
+            self.marconi.changed(node)
+            if is_new_leaf and node.parent is not None:
+                self.marconi.changed(node.parent)
+
+        def update_component_on_insert_overlap(
+            self, node, prefix_len, total_prefix_len, value_slice, params, result, cache_actions
+        ):
+            consumed = super().update_component_on_insert_overlap(
+                node=node, prefix_len=prefix_len, total_prefix_len=total_prefix_len, value_slice=value_slice,
+                params=params, result=result, cache_actions=cache_actions,
+            )
+            self.marconi.stamp(node)
+            return consumed
+
+        def acquire_component_lock(self, node, result, lock_host=False):
+            result = super().acquire_component_lock(node=node, result=result, lock_host=lock_host)
+            self.marconi.touched(node)
+            return result
+
+        def release_component_lock(self, node, params, lock_host=False):
+            super().release_component_lock(node=node, params=params, lock_host=lock_host)
+            self.marconi.touched(node)
+
+        def evict_component(self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE):
+            freed = super().evict_component(
+                node, device_frees=device_frees, host_frees=host_frees, cache_actions=cache_actions, target=target
+            )
+            self.marconi.changed(node)
+            if node.parent is not None:
+                self.marconi.touched(node.parent)
+            return freed
+
+        def discard_deleted_session_leaf(self, node):
+            super().discard_deleted_session_leaf(node)
+            self.marconi.changed(node)
+            if node.parent is not None:
+                self.marconi.changed(node.parent)
+
+    class MarconiFullComponent(_MarconiHooks, FullComponent):
+        """SGLang's FULL component, evicting leaves by Marconi's utility under KV pressure."""
+
+        def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
+            result = super().finalize_match_result_in_tree_core(
+                result=result, params=params, value_chunks=value_chunks, best_value_len=best_value_len
+            )
+            # SGLang has just stamped best_match_node and all its ancestors.
+            self.marconi.stamp_path(result.best_match_node)
+            return result
+
+        def _evict_device_start(self, request_cnt: int) -> None:
+            self._marconi_delegate = self.marconi.delegating()
+            if self._marconi_delegate:
+                return super()._evict_device_start(request_cnt)
+            self._evict_device_request_cnt = request_cnt
+
+        def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
+            if self._marconi_delegate:
+                return super()._evict_device_next_node(tracker, device_frees, host_frees, cache_actions)
+            if tracker[self.component_type] >= self._evict_device_request_cnt:
+                return None
+            node = self.marconi.choose(_KV)
+            if node is None:
+                return None
+            self.marconi.report(KV_PRESSURE, "leaf", node)
+            return node.id  # SGLang deletes the leaf, its Mamba state included
+
+        def _evict_device_end(self) -> None:
+            if self._marconi_delegate:
+                super()._evict_device_end()
+            self._marconi_delegate = False
+
+    class MarconiMambaComponent(_MarconiHooks, MambaComponent):
+        """SGLang's MAMBA component, evicting states by Marconi's utility under Mamba-slot pressure."""
+
+        def refresh_lru(self, phase, node, root_node):
+            super().refresh_lru(phase, node, root_node)
+            if phase is LRURefreshPhase.WALKDOWN:
+                self.marconi.stamp(node)  # _touch_node stamped it just before
+
+        def _evict_device_start(self, request_cnt: int) -> None:
+            self._marconi_delegate = self.marconi.delegating()
+            if self._marconi_delegate:
+                return super()._evict_device_start(request_cnt)
+            self._evict_device_request_cnt = request_cnt
+
+        def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
+            if self._marconi_delegate:
+                return super()._evict_device_next_node(tracker, device_frees, host_frees, cache_actions)
+            ct = self.component_type
+            if tracker[ct] >= self._evict_device_request_cnt:
+                return None
+            tree_core = self.tree_core
+            node = self.marconi.choose(_MAMBA)
+            leaf = node is not None and node in tree_core.evictable_device_leaves
+            kind = "leaf" if leaf else "single_child"
+            if node is None:
+                # No unlocked state on a node with <= 1 child: upstream's least recently used
+                # unlocked state (on a node with several children, or on a KV-locked leaf).
+                node = tree_core.lru_lists[ct].get_lru_no_lock()
+                if node is None:
+                    return None
+                kind = "fallback"
+                leaf = node in tree_core.evictable_device_leaves
+            self.marconi.report(MAMBA_PRESSURE, kind, node)
+            if leaf:
+                return node.id  # SGLang deletes the leaf whole
+            # One mutation: tombstone the state, keep the node and its KV.
+            tree_core._evict_component_and_detach_lru(
+                node, self, target=EvictLayer.DEVICE, tracker=tracker,
+                device_frees=device_frees, host_frees=host_frees, cache_actions=cache_actions,
+            )
+            tree_core._cascade_evict(
+                node, self, tracker, device_frees=device_frees, host_frees=host_frees, cache_actions=cache_actions
+            )
+            return None
+
+        def _evict_device_end(self) -> None:
+            if self._marconi_delegate:
+                super()._evict_device_end()
+            self._marconi_delegate = False
+
+    for cls in (MarconiFullComponent, MarconiMambaComponent):
+        cls.__qualname__ = cls.__name__
+    return MarconiFullComponent, MarconiMambaComponent, ComponentType
+
+
+def marconi_component_overrides(
+    settings: MarconiEvictionSettings, *, mamba_mixins: Sequence[type] = ()
+) -> dict:
+    """`CacheInitParams.component_registry_override` for Marconi eviction: {FULL: ..., MAMBA: ...}.
+
+    `mamba_mixins` are placed before the Marconi MAMBA component in its bases (e.g. an
+    admission mixin); they must call `super()` cooperatively."""
+    if not isinstance(settings, MarconiEvictionSettings):
+        raise TypeError(f"expected MarconiEvictionSettings, got {type(settings).__name__}")
+    full, mamba, component_type = _component_classes()
+    attrs = {"marconi_settings": settings, "__module__": __name__}
+    return {
+        component_type.FULL: type("MarconiFullComponent", (full,), dict(attrs)),
+        component_type.MAMBA: type("MarconiMambaComponent", (*mamba_mixins, mamba), dict(attrs)),
+    }
+
+
+def __getattr__(name: str):
+    # `from ... import MarconiFullComponent` builds the classes (and imports SGLang) on demand.
+    if name in ("MarconiFullComponent", "MarconiMambaComponent"):
+        full, mamba, _ = _component_classes()
+        return full if name == "MarconiFullComponent" else mamba
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

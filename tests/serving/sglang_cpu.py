@@ -1,0 +1,187 @@
+"""SGLang's real hybrid (FULL + MAMBA) prefix cache on CPU, built and driven as the scheduler does.
+
+`build_cache` wires the same objects the scheduler builds for a Mamba-hybrid model (a tiny
+one: 8 layers, 2 of them attention): `HybridReqToTokenPool` (request rows + `MambaPool`),
+`HybridLinearKVPool`, `TokenToKVPoolAllocator`, `CacheInitParams` and `UnifiedRadixCache`.
+`run_request` takes one request through the scheduler's calls: `Req.init_next_round_input`
+(match + Mamba copy-on-write), `cache.lock`, `alloc_req_slots`, `alloc_token_slots` (which
+evicts), `checkpoint_kv_cache` after each non-final prefill chunk and after the first token,
+one KV slot per decoded token, `release_kv_cache(checkpoint=True)`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from array import array
+from dataclasses import dataclass
+
+# Upstream baselines use the Python tree core too (component overrides force it anyway);
+# build_cache(tree_core_backend="rust") still builds an upstream cache on the Rust core.
+os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
+
+import torch  # noqa: E402
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.mem_cache.allocation import alloc_req_slots, alloc_token_slots  # noqa: E402
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
+
+FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
+NUM_LAYERS = 8
+ATTENTION_LAYERS = [3, 7]
+MAMBA_LAYERS = [i for i in range(NUM_LAYERS) if i not in ATTENTION_LAYERS]
+
+
+@dataclass
+class CpuCache:
+    cache: UnifiedRadixCache
+    allocator: TokenToKVPoolAllocator
+    req_to_token_pool: HybridReqToTokenPool
+    kv_size: int
+    mamba_size: int
+    max_num_reqs: int
+    settings: object = None  # MarconiEvictionSettings, when built with Marconi's components
+
+    @property
+    def tree_core(self):
+        return self.cache.tree_core
+
+    def kv_ledger(self) -> tuple[int, int, int]:
+        c = self.cache
+        return self.allocator.available_size(), c.full_evictable_size(), c.full_protected_size()
+
+    def mamba_ledger(self) -> tuple[int, int, int]:
+        c = self.cache
+        return self.req_to_token_pool.mamba_allocator.available_size(), c.mamba_evictable_size(), c.mamba_protected_size()
+
+    def check_no_leak(self, idle: bool = True) -> None:
+        """available + evictable + protected == pool size, for KV tokens and Mamba slots; when
+        no request runs, every request row is free too."""
+        assert sum(self.kv_ledger()) == self.kv_size, ("kv", self.kv_ledger(), self.kv_size)
+        assert sum(self.mamba_ledger()) == self.mamba_size, ("mamba", self.mamba_ledger(), self.mamba_size)
+        if idle:
+            assert self.req_to_token_pool.available_size() == self.max_num_reqs
+
+    def nodes(self):
+        """Every node of the tree but the root (parents before children)."""
+        out, stack = [], list(self.tree_core.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+
+def build_cache(
+    *,
+    kv_size: int = 4096,
+    mamba_size: int = 32,
+    max_num_reqs: int = 4,
+    component_registry_override=None,
+    max_context_len: int = 16384,
+    mamba_cache_chunk_size: int = 64,
+    tree_core_backend: str | None = None,
+) -> CpuCache:
+    """The scheduler's cache for a tiny Mamba2 hybrid, no-buffer mode (page size 1)."""
+    server_args = ServerArgs(model_path="dummy", page_size=1)
+    server_args._mamba_cache_chunk_size = mamba_cache_chunk_size  # the HF config would say
+    set_global_server_args_for_scheduler(server_args)
+    shape = Mamba2StateShape.create(
+        tp_world_size=1, intermediate_size=64, n_groups=1, num_heads=2, head_dim=16, state_size=16, conv_kernel=4
+    )
+    req_to_token_pool = HybridReqToTokenPool(
+        size=max_num_reqs, mamba_size=mamba_size, mamba_spec_state_size=max_num_reqs,
+        max_context_len=max_context_len, device="cpu", enable_memory_saver=False,
+        cache_params=Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS), mamba_layer_ids=MAMBA_LAYERS,
+        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=None,
+    )
+    kv_pool = HybridLinearKVPool(
+        size=kv_size, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8,
+        full_attention_layer_ids=ATTENTION_LAYERS, device="cpu", enable_memory_saver=False,
+        mamba_pool=req_to_token_pool.mamba_pool,
+    )
+    allocator = TokenToKVPoolAllocator(
+        size=kv_size, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool, need_sort=False
+    )
+    params = CacheInitParams(
+        req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, page_size=1,
+        disable=False, sliding_window_size=None, tree_components=(FULL, MAMBA),
+        enable_mamba_extra_buffer=False, enable_kv_cache_events=False, eviction_policy="lru",
+        is_eagle=False, component_registry_override=component_registry_override,
+        tree_core_backend=tree_core_backend,
+    )
+    cache = UnifiedRadixCache(params)
+    return CpuCache(cache, allocator, req_to_token_pool, kv_size, mamba_size, max_num_reqs)
+
+
+_request_ids = itertools.count()
+
+
+def make_request(tokens, n_out: int) -> Req:
+    sampling = SamplingParams(temperature=0, max_new_tokens=n_out)
+    sampling.normalize(None)  # the tokenizer manager does this before the scheduler sees it
+    return Req(rid=f"req-{next(_request_ids)}", origin_input_text="",
+               origin_input_ids=array("q", tokens), sampling_params=sampling)
+
+
+def _extend(cc: CpuCache, req: Req, end: int) -> None:
+    """One prefill chunk [req.prefix_len, end): PrefillAdder admission + alloc_for_extend."""
+    cache, pool = cc.cache, cc.req_to_token_pool
+    first_chunk = not req.kv.holds_kv
+    req.extend_end = end
+    if first_chunk:
+        req.lock = cache.lock(req.last_node)
+        prefix = cache.prefix_device_indices(req) if req.prefix_len else None
+    alloc_req_slots(pool, [req], cache)
+    locs = alloc_token_slots(cache, end - req.prefix_len)
+    row = req.kv.req_pool_idx
+    if first_chunk and prefix is not None:
+        pool.write((row, slice(0, req.prefix_len)), prefix)
+    pool.write((row, slice(req.prefix_len, end)), locs)
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = end
+    cache.maybe_hand_to_session(req)
+    # The forward pass's deferred Mamba copy-on-write from the matched state.
+    if req.kv.mamba_cow_src_index is not None:
+        pool.copy_mamba_state(req.kv.mamba_cow_src_index.view(-1), req.kv.mamba_pool_idx.view(-1))
+        req.kv.mamba_cow_src_index = None
+    req.kv.mamba_needs_clear = False
+
+
+def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None, out_tokens=None):
+    """Serve one request end to end; returns (req, hit) with hit = cached prefix tokens reused."""
+    cache, pool = cc.cache, cc.req_to_token_pool
+    req = make_request(tokens, n_out)
+    req.init_next_round_input(cache)  # match_prefix with Mamba copy-on-write
+    hit = req.prefix_len
+    n = len(req.full_untruncated_fill_ids)
+    while True:
+        end = n if chunk_size is None else min(req.prefix_len + chunk_size, n)
+        _extend(cc, req, end)
+        if end == n:
+            break
+        checkpoint_kv_cache(req, cache)  # stash_chunked_request
+    step = 0
+    while True:
+        token = out_tokens[step] if out_tokens is not None else 10_000_000 + next(_request_ids)
+        req.output_ids.append(token)
+        req.update_finish_state()
+        step += 1
+        if req.finished():
+            break
+        if step == 1:
+            checkpoint_kv_cache(req, cache)  # after prefill, before the first decode step
+        pos = req.kv.kv_committed_len
+        loc = alloc_token_slots(cache, 1)
+        pool.write((req.kv.req_pool_idx, slice(pos, pos + 1)), loc)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = pos + 1
+    if req.finished_reason is None:
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+    release_kv_cache(req, cache, checkpoint=True)
+    return req, hit

@@ -47,12 +47,14 @@ def marconi_radix_cache_factory(ctx):
     if profile is None:
         return default_radix_cache_factory(ctx)
     config = MarconiServingConfig.from_env()
+    from sglang_marconi.serving.admission import admission_mixin
     from sglang_marconi.serving.eviction_components import MarconiEvictionSettings, marconi_component_overrides
 
     settings = MarconiEvictionSettings(profile=profile, alpha=config.alpha or 0.0)
+    mixins = (admission_mixin(),) if config.admission else ()
     ctx.params.component_registry_override = {
         **(ctx.params.component_registry_override or {}),
-        **marconi_component_overrides(settings),
+        **marconi_component_overrides(settings, mamba_mixins=mixins),
     }
     cache = create_unified_radix_cache(ctx)
     cache.marconi_settings = settings

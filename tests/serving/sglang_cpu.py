@@ -154,8 +154,11 @@ def _extend(cc: CpuCache, req: Req, end: int) -> None:
     req.kv.mamba_needs_clear = False
 
 
-def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None, out_tokens=None):
-    """Serve one request end to end; returns (req, hit) with hit = cached prefix tokens reused."""
+def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None, out_tokens=None,
+                chunk_end=None):
+    """Serve one request end to end; returns (req, hit) with hit = cached prefix tokens reused.
+    `chunk_end(req, proposed_end)` may end a prefill chunk earlier (Marconi's two-pass prefill,
+    which the scheduler patch applies in PrefillAdder)."""
     cache, pool = cc.cache, cc.req_to_token_pool
     req = make_request(tokens, n_out)
     req.init_next_round_input(cache)  # match_prefix with Mamba copy-on-write
@@ -163,6 +166,8 @@ def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None,
     n = len(req.full_untruncated_fill_ids)
     while True:
         end = n if chunk_size is None else min(req.prefix_len + chunk_size, n)
+        if chunk_end is not None:
+            end = chunk_end(req, end)
         _extend(cc, req, end)
         if end == n:
             break

@@ -276,6 +276,9 @@ class AlphaTuner:
 
 
 def _adopt(cache: HybridPrefixCache, choice: float | str) -> None:
+    if hasattr(cache, "apply_choice"):  # a cache that is not ours (the SGLang adapter)
+        cache.apply_choice(choice)
+        return
     if choice == LRU:
         if not isinstance(cache.eviction, LruLeafEviction):
             cache.set_eviction(LruLeafEviction())

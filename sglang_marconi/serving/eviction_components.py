@@ -126,6 +126,8 @@ class MarconiEvictionSettings:
         self.alpha = alpha
         self.counters = EvictionCounters()
         self.observer = observer
+        # Alpha tuning may choose SGLang's own LRU (upstream's walks, unchanged) over any alpha.
+        self.use_upstream_lru = False
 
     @property
     def alpha(self) -> float:
@@ -210,7 +212,7 @@ class MarconiTreeIndex:
     def delegating(self) -> bool:
         """Whether SGLang runs features this policy does not model (then upstream's walks run)."""
         tc = self.cache.tree_core
-        if tc.enable_hicache or tc.enable_session_radix_cache:
+        if tc.enable_hicache or tc.enable_session_radix_cache or self.settings.use_upstream_lru:
             self._dirty.clear()
             self._struct.clear()
             self.root = None  # rebuild if ever used again

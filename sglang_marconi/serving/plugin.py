@@ -48,6 +48,7 @@ def marconi_radix_cache_factory(ctx):
         return default_radix_cache_factory(ctx)
     config = MarconiServingConfig.from_env()
     from sglang_marconi.serving.admission import admission_mixin
+    from sglang_marconi.serving.cache import marconi_cache_class
     from sglang_marconi.serving.eviction_components import MarconiEvictionSettings, marconi_component_overrides
 
     settings = MarconiEvictionSettings(profile=profile, alpha=config.alpha or 0.0)
@@ -56,9 +57,25 @@ def marconi_radix_cache_factory(ctx):
         **(ctx.params.component_registry_override or {}),
         **marconi_component_overrides(settings, mamba_mixins=mixins),
     }
-    cache = create_unified_radix_cache(ctx)
-    cache.marconi_settings = settings
-    cache.marconi_config = config
+    cache = create_unified_radix_cache(ctx, cache_class=marconi_cache_class())
+    attach_runtime(cache, settings, config)
     log.info("Marconi cache for %s: alpha=%s, admission=%s", profile.name,
              "auto" if config.alpha is None else config.alpha, "on" if config.admission else "off")
     return cache
+
+
+def attach_runtime(cache, settings, config):
+    """Give a Marconi-built cache its runtime (figures, tuning); returns the runtime."""
+    from sglang_marconi.serving.runtime import MarconiRuntime
+
+    grid = cache.components[_mamba()].mamba_checkpoint_grid
+    cache.marconi_settings = settings
+    cache.marconi_config = config
+    cache.marconi_runtime = MarconiRuntime(cache, settings, config, checkpoint_grid=grid)
+    return cache.marconi_runtime
+
+
+def _mamba():
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+    return ComponentType.MAMBA

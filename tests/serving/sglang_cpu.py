@@ -88,6 +88,7 @@ def build_cache(
     max_context_len: int = 16384,
     mamba_cache_chunk_size: int = 64,
     tree_core_backend: str | None = None,
+    cache_class=None,
 ) -> CpuCache:
     """The scheduler's cache for a tiny Mamba2 hybrid, no-buffer mode (page size 1)."""
     server_args = ServerArgs(model_path="dummy", page_size=1)
@@ -117,7 +118,7 @@ def build_cache(
         is_eagle=False, component_registry_override=component_registry_override,
         tree_core_backend=tree_core_backend,
     )
-    cache = UnifiedRadixCache(params)
+    cache = (cache_class or UnifiedRadixCache)(params)
     return CpuCache(cache, allocator, req_to_token_pool, kv_size, mamba_size, max_num_reqs)
 
 

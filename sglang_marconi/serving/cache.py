@@ -1,0 +1,38 @@
+"""SGLang's `UnifiedRadixCache`, reporting to the Marconi runtime: the first match of each
+request (reusable prefix and full-KV hit), every eviction, and every release.
+
+Built lazily (`marconi_cache_class()`) so importing this module needs no SGLang.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.lru_cache(maxsize=1)
+def marconi_cache_class():
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    class MarconiUnifiedRadixCache(UnifiedRadixCache):
+        marconi_runtime = None  # attached by the factory after construction
+
+        def match_prefix(self, params):
+            result = super().match_prefix(params)
+            req = getattr(params, "req", None)
+            if self.marconi_runtime is not None and req is not None:
+                self.marconi_runtime.on_match(req.rid, result.device_prefix_len, result.full_kv_hit_length)
+            return result
+
+        def _evict(self, params, *args, **kwargs):
+            result = super()._evict(params, *args, **kwargs)
+            if self.marconi_runtime is not None:
+                self.marconi_runtime.on_evict(result.num_tokens_evicted, result.mamba_num_evicted)
+            return result
+
+        def on_release(self, req, *, checkpointed):
+            super().on_release(req, checkpointed=checkpointed)
+            if self.marconi_runtime is not None and checkpointed:
+                session = req.session_id or req.rid
+                self.marconi_runtime.on_release(req.rid, str(session), req.origin_input_ids, req.output_ids)
+
+    return MarconiUnifiedRadixCache

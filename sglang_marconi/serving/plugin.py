@@ -21,6 +21,9 @@ def register() -> None:
 
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, marconi_radix_cache_factory)
+    from sglang_marconi.serving.metrics import register_hooks
+
+    register_hooks()
 
 
 def served_model_profile(hf_config):
@@ -58,7 +61,12 @@ def marconi_radix_cache_factory(ctx):
         **marconi_component_overrides(settings, mamba_mixins=mixins),
     }
     cache = create_unified_radix_cache(ctx, cache_class=marconi_cache_class())
-    attach_runtime(cache, settings, config)
+    runtime = attach_runtime(cache, settings, config)
+    if getattr(ctx.server_args, "enable_metrics", False):
+        from sglang_marconi.serving.metrics import PrometheusGauges
+
+        name = getattr(ctx.server_args, "served_model_name", None) or ctx.server_args.model_path
+        runtime.exporter = PrometheusGauges({"model_name": str(name)})
     log.info("Marconi cache for %s: alpha=%s, admission=%s", profile.name,
              "auto" if config.alpha is None else config.alpha, "on" if config.admission else "off")
     return cache

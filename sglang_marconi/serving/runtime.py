@@ -72,6 +72,8 @@ class MarconiRuntime:
         self._matches: dict[str, tuple[int, int]] = {}  # rid -> (hit, full-KV hit) of its first match
         self.target = SGLangTuningTarget(cache, settings, checkpoint_grid)
         self.tuner = AlphaTuner(self.target, config.tuning(), blocking=False) if config.alpha is None else None
+        self.cache = cache
+        self.exporter = None  # PrometheusGauges when SGLang runs with --enable-metrics
 
     @property
     def alpha(self) -> float:
@@ -96,6 +98,8 @@ class MarconiRuntime:
         f.blocked_tokens += max(0, min(full_kv_hit, n - 1) - hit)
         f.flops_total += self.profile.prefill_flops(0, n)
         f.flops_saved += self.profile.prefill_flops(0, hit)
+        if self.exporter is not None:
+            self.exporter.publish(self.metrics(self.cache))
         if self.tuner is not None:
             try:
                 self.tuner.after_request(session_key, np.asarray(input_ids, dtype=np.int64),

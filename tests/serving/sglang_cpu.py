@@ -191,3 +191,18 @@ def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None,
         req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
     release_kv_cache(req, cache, checkpoint=True)
     return req, hit
+
+
+def build_marconi_serving(config, profile="nemotron-h-8b", **kwargs):
+    """The cache the `marconi` backend's factory builds (components, admission, cache class,
+    runtime), on CPU; returns (CpuCache, MarconiRuntime)."""
+    from sglang_marconi.serving.admission import admission_mixin
+    from sglang_marconi.serving.cache import marconi_cache_class
+    from sglang_marconi.serving.eviction_components import MarconiEvictionSettings, marconi_component_overrides
+    from sglang_marconi.serving.plugin import attach_runtime
+
+    settings = MarconiEvictionSettings(profile, alpha=config.alpha or 0.0)
+    mixins = (admission_mixin(),) if config.admission else ()
+    overrides = marconi_component_overrides(settings, mamba_mixins=mixins)
+    cc = build_cache(component_registry_override=overrides, cache_class=marconi_cache_class(), **kwargs)
+    return cc, attach_runtime(cc.cache, settings, config)

@@ -8,17 +8,12 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sglang_cpu import build_cache, run_request  # noqa: E402
+from sglang_cpu import build_marconi_serving as marconi_serving  # noqa: E402
+from sglang_cpu import run_request  # noqa: E402
 
 from sglang_marconi.policy.model_profile import load_profile  # noqa: E402
-from sglang_marconi.serving.admission import admission_mixin, chunk_end_for_branch  # noqa: E402
-from sglang_marconi.serving.cache import marconi_cache_class  # noqa: E402
+from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
-from sglang_marconi.serving.eviction_components import (  # noqa: E402
-    MarconiEvictionSettings,
-    marconi_component_overrides,
-)
-from sglang_marconi.serving.plugin import attach_runtime  # noqa: E402
 
 SYSTEM = list(range(1, 401))
 
@@ -34,14 +29,6 @@ class WorkerKillingProfile:
 
     def __reduce__(self):
         return (os._exit, (3,))
-
-
-def marconi_serving(config, profile="nemotron-h-8b", **kwargs):
-    settings = MarconiEvictionSettings(profile, alpha=config.alpha or 0.0)
-    overrides = marconi_component_overrides(settings, mamba_mixins=(admission_mixin(),))
-    cc = build_cache(component_registry_override=overrides, cache_class=marconi_cache_class(), **kwargs)
-    runtime = attach_runtime(cc.cache, settings, config)
-    return cc, runtime
 
 
 def workload(n):

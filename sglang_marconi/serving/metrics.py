@@ -1,0 +1,60 @@
+"""Marconi's figures where operators look: Prometheus gauges beside SGLang's own (with
+`--enable-metrics`) and a `marconi` entry in each scheduler's `/server_info` internal state."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("sglang_marconi")
+
+GAUGES = {
+    "marconi_token_hit_rate": "Share of input tokens whose prefill the Marconi cache skipped.",
+    "marconi_prefill_flops_saved": "Prefill FLOPs saved by cache hits (model profile estimate).",
+    "marconi_alpha": "Current weight of FLOP efficiency in Marconi's eviction score (0 = LRU).",
+    "marconi_ssm_states_cached": "SSM states held by the radix tree.",
+    "marconi_evictions_leaf": "Evictions of leaves (KV and SSM state freed).",
+    "marconi_evictions_single_child": "Evictions of a single-child node's SSM state (KV kept).",
+    "marconi_admissions_skipped_no_slot": "Branch SSM states not admitted for lack of a Mamba slot.",
+    "marconi_blocked_hit_tokens": "Tokens with a full-KV hit that could not be reused for lack of an SSM state.",
+    "marconi_requests": "Requests released through the Marconi cache.",
+}
+INTERNAL_STATE_TARGET = (
+    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
+)
+
+
+class PrometheusGauges:
+    def __init__(self, labels: dict[str, str]):
+        from prometheus_client import Gauge  # after SGLang has set PROMETHEUS_MULTIPROC_DIR
+
+        self.labels = labels
+        self.gauges = {
+            key: Gauge(name=f"sglang:{key}", documentation=doc, labelnames=list(labels), multiprocess_mode="mostrecent")
+            for key, doc in GAUGES.items()
+        }
+
+    def publish(self, figures: dict) -> None:
+        for key, gauge in self.gauges.items():
+            gauge.labels(**self.labels).set(float(figures[key]))
+
+
+def add_marconi_state(result, controller, *args, **kwargs):
+    """HookRegistry AFTER hook on the scheduler's internal-state readback (`/server_info`)."""
+    cache = getattr(controller.scheduler, "tree_cache", None)
+    runtime = getattr(cache, "marconi_runtime", None)
+    if runtime is not None:
+        result.internal_state["marconi"] = runtime.metrics(cache)
+    return result
+
+
+_hooks_registered = False
+
+
+def register_hooks() -> None:
+    global _hooks_registered
+    if _hooks_registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(INTERNAL_STATE_TARGET, add_marconi_state, HookType.AFTER)
+    _hooks_registered = True

@@ -1,0 +1,68 @@
+"""Marconi's figures in `/server_info` (through the HookRegistry hook on the scheduler's
+internal-state readback) and as Prometheus gauges."""
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("sglang")
+pytest.importorskip("prometheus_client")
+
+from sglang_cpu import build_marconi_serving, run_request  # noqa: E402
+
+from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
+from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
+from sglang_marconi.serving.metrics import GAUGES, PrometheusGauges, add_marconi_state, register_hooks  # noqa: E402
+
+SYSTEM = list(range(1, 301))
+
+
+def served_cache():
+    cc, runtime = build_marconi_serving(MarconiServingConfig(alpha=0.0))
+    for i in range(4):
+        run_request(cc, SYSTEM + [70_000 + i] * 20, 5, chunk_end=chunk_end_for_branch)
+    return cc, runtime
+
+
+def test_internal_state_hook_adds_marconi_figures():
+    from sglang.srt.managers.io_struct import GetInternalStateReqOutput
+
+    cc, runtime = served_cache()
+    controller = SimpleNamespace(scheduler=SimpleNamespace(tree_cache=cc.cache))
+    out = add_marconi_state(GetInternalStateReqOutput(internal_state={"x": 1}), controller, None)
+    figures = out.internal_state["marconi"]
+    assert out.internal_state["x"] == 1
+    assert figures["marconi_requests"] == 4 and figures["marconi_token_hit_rate"] > 0
+    assert set(GAUGES) <= set(figures)
+
+
+def test_hook_is_applied_to_the_scheduler_readback():
+    from sglang.srt.managers.scheduler_components import internal_state
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    controller_cls = internal_state.SchedulerInternalStateController
+    register_hooks()
+    HookRegistry.apply_hooks()
+    assert getattr(controller_cls.get_internal_state, "__wrapped__", None) is not None
+
+    cc, _ = served_cache()  # also sets the scheduler's global server args, which the readback reads
+    controller = controller_cls(scheduler=SimpleNamespace(tree_cache=cc.cache), record_step_time=False)
+    # The readback's other contributors describe a GPU scheduler (topology, memory, ...): silence
+    # them on this instance so SGLang's real readback runs with only our hook contributing.
+    for name in dir(controller):
+        if name.startswith("_add_"):
+            setattr(controller, name, lambda state: None)
+    result = controller.get_internal_state(None)
+    assert result.internal_state["marconi"]["marconi_requests"] == 4
+
+
+def test_prometheus_gauges_follow_the_figures():
+    from prometheus_client import REGISTRY
+
+    cc, runtime = served_cache()
+    runtime.exporter = PrometheusGauges({"model_name": "test-model"})
+    run_request(cc, SYSTEM + [80_000] * 10, 3, chunk_end=chunk_end_for_branch)
+    value = REGISTRY.get_sample_value("sglang:marconi_requests", {"model_name": "test-model"})
+    assert value == 5
+    hit = REGISTRY.get_sample_value("sglang:marconi_token_hit_rate", {"model_name": "test-model"})
+    assert hit == pytest.approx(runtime.metrics(cc.cache)["marconi_token_hit_rate"])

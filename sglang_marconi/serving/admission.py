@@ -55,6 +55,7 @@ def admission_mixin():
             position = req.kv.mamba_last_track_seqlen if self.cache.enable_mamba_extra_buffer else token_ids_len
             if position is None or position != branch_position(req):
                 counters.checkpoints_declined += 1
+                self.__dict__.setdefault("_marconi_declined", set()).add(req.rid)
                 return 0
             if not self.cache.enable_mamba_extra_buffer and not self._marconi_reserve_slot():
                 counters.skipped_no_slot += 1
@@ -63,6 +64,15 @@ def admission_mixin():
             if cache_len:
                 counters.branch_states_admitted += 1
             return cache_len
+
+        def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
+            declined = self.__dict__.get("_marconi_declined")
+            if not is_finished and declined and req.rid in declined:
+                # Nothing was donated: keep the request's tracked state (extra-buffer mode), which
+                # upstream's cleanup would forget, so its final state can still be admitted.
+                declined.discard(req.rid)
+                return
+            super().cleanup_after_caching_req(req, is_finished, insert_result=insert_result, insert_params=insert_params)
 
         def _marconi_reserve_slot(self) -> bool:
             """Make sure one Mamba slot is free for the branch state, evicting if we can."""

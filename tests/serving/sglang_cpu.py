@@ -89,8 +89,10 @@ def build_cache(
     mamba_cache_chunk_size: int = 64,
     tree_core_backend: str | None = None,
     cache_class=None,
+    extra_buffer: bool = False,
 ) -> CpuCache:
-    """The scheduler's cache for a tiny Mamba2 hybrid, no-buffer mode (page size 1)."""
+    """The scheduler's cache for a tiny Mamba2 hybrid (page size 1), in no-buffer mode or, with
+    `extra_buffer`, in extra-buffer mode (ping-pong track slots, the GPU default with overlap)."""
     server_args = ServerArgs(model_path="dummy", page_size=1)
     server_args._mamba_cache_chunk_size = mamba_cache_chunk_size  # the HF config would say
     set_global_server_args_for_scheduler(server_args)
@@ -101,7 +103,7 @@ def build_cache(
         size=max_num_reqs, mamba_size=mamba_size, mamba_spec_state_size=max_num_reqs,
         max_context_len=max_context_len, device="cpu", enable_memory_saver=False,
         cache_params=Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS), mamba_layer_ids=MAMBA_LAYERS,
-        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=None,
+        enable_mamba_extra_buffer=extra_buffer, speculative_num_draft_tokens=None,
     )
     kv_pool = HybridLinearKVPool(
         size=kv_size, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8,
@@ -114,7 +116,7 @@ def build_cache(
     params = CacheInitParams(
         req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, page_size=1,
         disable=False, sliding_window_size=None, tree_components=(FULL, MAMBA),
-        enable_mamba_extra_buffer=False, enable_kv_cache_events=False, eviction_policy="lru",
+        enable_mamba_extra_buffer=extra_buffer, enable_kv_cache_events=False, eviction_policy="lru",
         is_eagle=False, component_registry_override=component_registry_override,
         tree_core_backend=tree_core_backend,
     )
@@ -170,6 +172,8 @@ def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None,
         if chunk_end is not None:
             end = chunk_end(req, end)
         _extend(cc, req, end)
+        if cc.cache.enable_mamba_extra_buffer:
+            _track_extend(cc, req)
         if end == n:
             break
         checkpoint_kv_cache(req, cache)  # stash_chunked_request
@@ -187,6 +191,8 @@ def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None,
         loc = alloc_token_slots(cache, 1)
         pool.write((req.kv.req_pool_idx, slice(pos, pos + 1)), loc)
         req.kv.kv_allocated_len = req.kv.kv_committed_len = pos + 1
+        if cache.enable_mamba_extra_buffer:
+            _track_decode(cc, req)
     if req.finished_reason is None:
         req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
     release_kv_cache(req, cache, checkpoint=True)
@@ -206,3 +212,29 @@ def build_marconi_serving(config, profile="nemotron-h-8b", **kwargs):
     overrides = marconi_component_overrides(settings, mamba_mixins=mixins)
     cc = build_cache(component_registry_override=overrides, cache_class=marconi_cache_class(), **kwargs)
     return cc, attach_runtime(cc.cache, settings, config)
+
+
+def _track_extend(cc: CpuCache, req: Req) -> None:
+    """Extra-buffer mode: the real ScheduleBatch bookkeeping that picks which state of this
+    extend the forward pass tracks (the chunk grid, or the branch point inside the extend)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    batch = SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(mamba_chunk_size=64)),
+        tree_cache=cc.cache, req_to_token_pool=cc.req_to_token_pool,
+    )
+    ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend(batch, req)
+
+
+def _track_decode(cc: CpuCache, req: Req) -> None:
+    """Extra-buffer mode: the decode track boundary (batch_result_processor) every grid tokens."""
+    from sglang.srt.runtime_context import mamba_track_grid
+
+    kv = req.kv
+    if kv.kv_committed_len % mamba_track_grid(1) == 0:
+        kv.mamba_prev_track_seqlen = kv.mamba_last_track_seqlen
+        kv.mamba_last_track_seqlen = kv.kv_committed_len
+        kv.mamba_last_track_idx = kv.mamba_next_track_idx
+        kv.mamba_next_track_idx = cc.req_to_token_pool.get_mamba_ping_pong_other_idx(kv.mamba_last_track_idx)

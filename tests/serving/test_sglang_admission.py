@@ -96,3 +96,27 @@ def test_branch_state_skipped_when_no_mamba_slot_can_be_had():
     holder.finished_reason = FINISH_LENGTH(length=1)
     release_kv_cache(holder, cc.cache, checkpoint=True)
     cc.check_no_leak()
+
+
+def marconi_xbuf(**kwargs):
+    return marconi(extra_buffer=True, mamba_size=64, **kwargs)
+
+
+def test_extra_buffer_mode_reuses_system_prompt_from_third_occurrence():
+    cc = marconi_xbuf()
+    results = [serve(cc, SYSTEM + list(range(5000 + 300 * i, 5200 + 300 * i)), 20) for i in range(4)]
+    assert [h for h, _ in results] == [0, 0, 960, 960]
+    assert all(added <= 2 for _, added in results)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 256])
+def test_extra_buffer_mode_keeps_at_most_two_states_per_request(chunk_size):
+    cc = marconi_xbuf()
+    upstream = build_cache(extra_buffer=True, mamba_size=64)
+    prompts = [SYSTEM + list(range(7000 + 900 * i, 7000 + 900 * i + 700)) for i in range(4)]
+    for prompt in prompts:
+        _, added = serve(cc, prompt, 300, chunk_size=chunk_size)  # 300 decoded: upstream tracks every 256
+        assert added <= 2
+    for prompt in prompts:
+        run_request(upstream, prompt, 300, chunk_size=chunk_size)
+    assert states_in_tree(upstream) > states_in_tree(cc)

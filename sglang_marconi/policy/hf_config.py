@@ -178,10 +178,19 @@ def _zamba2(c: _Cfg) -> dict:
                          intermediate_size=c.int("intermediate_size", "ffn_hidden_size", default=4 * d)))
 
 
+# transformers >= 5 spells Nemotron-H's layout as a list (layers_block_type); checkpoints use the string.
+_NEMOTRON_BLOCKS = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*",
+                    "mlp": "-", "moe": "E"}
+
+
 def _nemotron_h(c: _Cfg) -> dict:
     """hybrid_override_pattern: M = Mamba2, * = attention, - = MLP (ReLU², not gated), E = MoE."""
-    n = c.int("num_hidden_layers")
-    counts = _counts(list(c.req("hybrid_override_pattern")), n, c.label)
+    pattern = c.get("hybrid_override_pattern")
+    if pattern is None:
+        blocks = list(c.req("layers_block_type"))
+        pattern = [_NEMOTRON_BLOCKS.get(str(b), str(b)) for b in blocks]
+    n = c.int("num_hidden_layers", default=len(pattern))
+    counts = _counts(list(pattern), n, c.label)
     unknown = set(counts) - set("M*-E")
     if unknown:
         raise ProfileError(f"{c.label}: unknown hybrid_override_pattern symbols {sorted(unknown)}")
@@ -249,7 +258,8 @@ def _granite_hybrid(c: _Cfg) -> dict:
     """layer_types mamba/attention; every layer also has a MoE block with a shared expert
     (or, with num_local_experts == 0, just the shared MLP)."""
     n, d = c.int("num_hidden_layers"), c.int("hidden_size")
-    counts = _layer_kinds(c, n, {"mamba": "mamba", "mamba2": "mamba", "attention": "attention"})
+    counts = _layer_kinds(c, n, {"mamba": "mamba", "mamba2": "mamba", "linear_attention": "mamba",
+                                 "attention": "attention", "full_attention": "attention"})
     heads = c.int("mamba_n_heads", default=128)
     d_inner = c.int("mamba_expand", default=2) * d
     shared = c.int("shared_intermediate_size", default=1024)

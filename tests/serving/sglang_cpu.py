@@ -90,9 +90,11 @@ def build_cache(
     tree_core_backend: str | None = None,
     cache_class=None,
     extra_buffer: bool = False,
+    return_params: bool = False,
 ) -> CpuCache:
     """The scheduler's cache for a tiny Mamba2 hybrid (page size 1), in no-buffer mode or, with
-    `extra_buffer`, in extra-buffer mode (ping-pong track slots, the GPU default with overlap)."""
+    `extra_buffer`, in extra-buffer mode (ping-pong track slots, the GPU default with overlap).
+    With `return_params`, the `CacheInitParams` a radix-cache factory receives, unbuilt."""
     server_args = ServerArgs(model_path="dummy", page_size=1)
     server_args._mamba_cache_chunk_size = mamba_cache_chunk_size  # the HF config would say
     set_global_server_args_for_scheduler(server_args)
@@ -120,6 +122,8 @@ def build_cache(
         is_eagle=False, component_registry_override=component_registry_override,
         tree_core_backend=tree_core_backend,
     )
+    if return_params:
+        return params
     cache = (cache_class or UnifiedRadixCache)(params)
     return CpuCache(cache, allocator, req_to_token_pool, kv_size, mamba_size, max_num_reqs)
 

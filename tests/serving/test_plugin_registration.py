@@ -41,19 +41,3 @@ def test_unknown_architecture_falls_back_with_a_warning(caplog):
 
     assert served_model_profile({"architectures": ["TotallyNewForCausalLM"], "model_type": "new"}) is None
     assert "TotallyNewForCausalLM" in caplog.text and "LRU" in caplog.text
-
-
-def test_hybrid_configs_give_sensible_profiles():
-    from sglang_marconi.policy.model_profile import BUILTIN_PROFILE_NAMES
-    from sglang_marconi.serving.plugin import served_model_profile
-    import json
-    from pathlib import Path
-
-    import sglang_marconi.policy as policy
-
-    for name in BUILTIN_PROFILE_NAMES:
-        path = Path(policy.__file__).parent / "profiles" / f"{name}.json"
-        if not path.exists():
-            continue
-        profile = served_model_profile(json.loads(path.read_text()))
-        assert profile is not None and profile.prefill_flops(0, 1000) > 0, name

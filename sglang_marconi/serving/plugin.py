@@ -22,8 +22,10 @@ def register() -> None:
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, marconi_radix_cache_factory)
     from sglang_marconi.serving.metrics import register_hooks
+    from sglang_marconi.serving.two_pass_prefill import install_two_pass_prefill_hook
 
     register_hooks()
+    install_two_pass_prefill_hook()  # end a prefill chunk at the branch (no_buffer mode)
 
 
 def served_model_profile(hf_config):

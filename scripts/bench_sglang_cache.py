@@ -1,0 +1,473 @@
+"""SGLang's real hybrid prefix cache on CPU: upstream LRU (Python and Rust tree cores) vs Marconi
+(our FULL/MAMBA components + admission) replaying the same traces at several pool sizes.
+
+    python scripts/bench_sglang_cache.py [--quick] [--traces agent,chat,mooncake] [--json out.json]
+
+Each request goes through the scheduler's calls on SGLang 0.5.23's own objects (the cache built by
+`tests/serving/sglang_cpu.py`, no_buffer mode, page size 1, Mamba checkpoint grid 64): match
+(`Req.init_next_round_input`, with the Mamba copy-on-write), lock, request/KV slot allocation
+(evicting as needed), prefill in chunks of `--chunk-size` tokens (`checkpoint_kv_cache` after each
+non-final chunk; Marconi ends a chunk at the branch position, `chunk_end_for_branch`), the first
+token, `checkpoint_kv_cache`, the decode KV (allocated in one call, not one per token: same memory,
+fewer eviction calls), `release_kv_cache(checkpoint=True)`. Requests run one at a time.
+
+Timings (perf_counter_ns around each call): match = `init_next_round_input`, checkpoint = each
+`checkpoint_kv_cache`, release = `release_kv_cache`, evict = each outermost call of the cache's
+`evict_for_alloc` / `evict` (one allocation's or one slot reservation's whole eviction walk, all
+nodes it frees; made only when an allocation is short). Eviction time spent inside a match
+(copy-on-write slot), a checkpoint (Marconi's branch slot) or an allocation is counted under
+evict only and subtracted from the enclosing operation.
+
+Per cell: token hit rate, prefill FLOPs saved (`nemotron-h-8b` profile, sum of prefill_flops(0, hit)
+over requests, the real model's FLOPs for these token counts), SSM states in the tree at the end
+per request served, median / p99 microseconds per operation, and ratios vs upstream LRU on the
+Python tree core measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "serving"))  # sglang_cpu: SGLang's cache built on CPU
+MOONCAKE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+
+try:
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover
+    tqdm = None
+
+CONFIGS = ("lru-py", "lru-rust", "marconi-a0", "marconi-a1")
+OPS = ("match", "checkpoint", "release", "evict")
+MOONCAKE_BLOCK = 512
+
+
+# -- traces -------------------------------------------------------------------------------------
+
+def mooncake_requests(n: int, block_tokens: int):
+    """The first `n` requests of the Mooncake conversation trace, each 512-token hash block mapped
+    to `block_tokens` tokens (block h -> h*block_tokens + arange(block_tokens)); input and output
+    lengths scaled by block_tokens/512 (input: ceil, so the last partial block keeps >= 1 token;
+    output: round, at least 1). Outputs are unique tokens, as in `sim/traces.py`."""
+    from sglang_marconi.sim.workload import Request
+
+    scale = block_tokens / MOONCAKE_BLOCK
+    offsets = np.arange(block_tokens, dtype=np.int64)
+    out = []
+    with open(MOONCAKE) as f:
+        for i, line in enumerate(f):
+            if i == n:
+                break
+            rec = json.loads(line)
+            ids = np.asarray(rec["hash_ids"], dtype=np.int64)
+            n_in = math.ceil(rec["input_length"] * scale)
+            tokens = (ids[:, None] * block_tokens + offsets).ravel()[:n_in]
+            n_out = max(1, round(rec["output_length"] * scale))
+            outputs = 2**40 + i * 2**20 + np.arange(n_out, dtype=np.int64)
+            sid = str(int(ids[1] if ids.size > 1 else ids[0]))
+            out.append(Request(sid, 0, rec["timestamp"] / 1000.0, tokens, outputs))
+    return out
+
+
+def traces(quick: bool):
+    from sglang_marconi.sim.synthetic import generate
+
+    if quick:
+        return {
+            "agent": ("synthetic swe-agent, 2 trajectories, scale 0.1", lambda: list(generate("swe-agent", sessions=2, scale=0.1))),
+            "chat": ("synthetic lmsys, 10 sessions, scale 0.25", lambda: list(generate("lmsys", sessions=10, scale=0.25))),
+            "mooncake": ("Mooncake conversation, first 300 requests, 64 tokens per block", lambda: mooncake_requests(300, 64)),
+        }
+    return {
+        "agent": ("synthetic swe-agent, 6 trajectories, scale 0.1", lambda: list(generate("swe-agent", sessions=6, scale=0.1))),
+        "chat": ("synthetic lmsys, 40 sessions, scale 0.25", lambda: list(generate("lmsys", sessions=40, scale=0.25))),
+        "mooncake": ("Mooncake conversation, first 1,000 requests, 64 tokens per block", lambda: mooncake_requests(1000, 64)),
+    }
+
+
+@dataclass
+class TraceInfo:
+    requests: list
+    input_tokens: int
+    unique_tokens: int  # an infinite cache's KV footprint (input + output of every request)
+    infinite_hit: float
+    longest: int
+
+
+def describe(requests) -> TraceInfo:
+    from sglang_marconi.sim.baselines.infinite import InfiniteCache
+
+    inf = InfiniteCache()
+    hits = sum(inf.serve(r).hit_tokens for r in requests)
+    total = sum(r.input_len for r in requests)
+    return TraceInfo(requests, total, inf.tokens, hits / total, max(r.input_len + r.output_len for r in requests))
+
+
+def pool_sizes(info: TraceInfo, fractions, chunk: int | None):
+    """(KV tokens, Mamba slots) from tight to ample: a fraction of the infinite-cache footprint
+    (KV) and of two states per request (Mamba: Marconi's admission bound), never below what one
+    request in flight needs. The last, ample cell holds everything for every config (upstream
+    keeps a state per prefill chunk too)."""
+    n = len(info.requests)
+    floor_kv = info.longest + 256
+    cells = [(max(floor_kv, round(f * info.unique_tokens)), max(6, round(f * 2 * n))) for f in fractions]
+    chunks = 1 if not chunk else math.ceil(info.longest / chunk)
+    cells.append((info.unique_tokens + floor_kv, n * (chunks + 2) + 8))
+    return cells
+
+
+# -- one replay ----------------------------------------------------------------------------------
+
+@dataclass
+class Cell:
+    config: str
+    kv_size: int
+    mamba_size: int
+    backend: str = ""
+    hit_tokens: int = 0
+    input_tokens: int = 0
+    flops_saved: float = 0.0
+    states_end: int = 0
+    requests: int = 0
+    evicted_tokens: int = 0
+    evicted_states: int = 0
+    wall_s: float = 0.0
+    pool_s: float = 0.0  # time in pool tensor ops (allocator.free, MambaPool.copy_from)
+    samples: dict = field(default_factory=lambda: {op: [] for op in OPS})
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    def stat(self, op):
+        x = np.asarray(self.samples[op], dtype=float) / 1e3
+        return (float(np.median(x)), float(np.percentile(x, 99)), len(x)) if len(x) else (math.nan, math.nan, 0)
+
+
+class Probe:
+    """Exclusive timings: an operation's sample excludes the outermost evictions and the pool
+    tensor operations (`allocator.free`, `MambaPool.copy_from`) made inside it; an eviction's
+    sample excludes the pool operations inside it. Pool time is summed separately."""
+
+    def __init__(self, cc, cell: Cell):
+        self.cell, self.depth, self.excluded_ns, self.pool_ns = cell, 0, 0, 0
+        for name in ("evict", "evict_for_alloc"):
+            setattr(cc.cache, name, self._wrap_evict(getattr(cc.cache, name)))
+        cc.allocator.free = self._wrap_pool(cc.allocator.free)
+        pool = cc.req_to_token_pool.mamba_pool
+        pool.copy_from = self._wrap_pool(pool.copy_from)
+
+    def _wrap_pool(self, fn):
+        def timed_pool(*args, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter_ns() - t0
+                self.pool_ns += dt
+                self.excluded_ns += dt
+
+        return timed_pool
+
+    def _wrap_evict(self, fn):
+        def timed_evict(*args, **kwargs):
+            if self.depth:
+                return fn(*args, **kwargs)
+            self.depth += 1
+            x0 = self.excluded_ns
+            t0 = time.perf_counter_ns()
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter_ns() - t0
+                self.depth -= 1
+                self.cell.samples["evict"].append(dt - (self.excluded_ns - x0))
+                self.excluded_ns = x0 + dt
+            self.cell.evicted_tokens += result.num_tokens_evicted
+            self.cell.evicted_states += result.mamba_num_evicted
+            return result
+
+        return timed_evict
+
+    def op(self, name, fn, *args, **kwargs):
+        x0 = self.excluded_ns
+        t0 = time.perf_counter_ns()
+        result = fn(*args, **kwargs)
+        self.cell.samples[name].append(time.perf_counter_ns() - t0 - (self.excluded_ns - x0))
+        return result
+
+
+def build(config: str, kv_size: int, mamba_size: int, max_context_len: int):
+    from sglang_cpu import build_cache
+
+    from sglang_marconi.serving.admission import admission_mixin
+    from sglang_marconi.serving.eviction_components import MarconiEvictionSettings, marconi_component_overrides
+
+    kw = dict(kv_size=kv_size, mamba_size=mamba_size, max_num_reqs=2, max_context_len=max_context_len)
+    if config == "lru-py":
+        return build_cache(**kw)
+    if config == "lru-rust":
+        return build_cache(tree_core_backend="rust", **kw)
+    settings = MarconiEvictionSettings("nemotron-h-8b", alpha={"marconi-a0": 0.0, "marconi-a1": 1.0}[config])
+    cc = build_cache(component_registry_override=marconi_component_overrides(settings, mamba_mixins=(admission_mixin(),)), **kw)
+    cc.settings = settings
+    return cc
+
+
+def serve(cc, probe: Probe, r, chunk: int | None, chunk_end) -> int:
+    """One request through the scheduler's calls (see the module docstring); returns the hit."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.allocation import alloc_token_slots
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+    from sglang_cpu import _extend, make_request
+
+    cache, pool = cc.cache, cc.req_to_token_pool
+    outputs = r.output_tokens.tolist()
+    req = make_request(r.input_tokens.tolist(), len(outputs))
+    probe.op("match", req.init_next_round_input, cache)
+    hit = req.prefix_len
+    n = r.input_len
+    while True:
+        end = n if chunk is None else min(req.prefix_len + chunk, n)
+        if chunk_end is not None:
+            end = chunk_end(req, end)
+        _extend(cc, req, end)
+        if end == n:
+            break
+        probe.op("checkpoint", checkpoint_kv_cache, req, cache)
+    req.output_ids.append(outputs[0])
+    req.update_finish_state()
+    if not req.finished():
+        probe.op("checkpoint", checkpoint_kv_cache, req, cache)  # after the first token
+        pos, extra = req.kv.kv_committed_len, len(outputs) - 1
+        loc = alloc_token_slots(cache, extra)
+        pool.write((req.kv.req_pool_idx, slice(pos, pos + extra)), loc)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = pos + extra
+        req.output_ids.extend(outputs[1:])
+        req.update_finish_state()
+    if req.finished_reason is None:
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+    probe.op("release", release_kv_cache, req, cache, checkpoint=True)
+    return hit
+
+
+def run_cell(config, kv_size, mamba_size, info: TraceInfo, chunk, profile, bar) -> Cell:
+    from sglang_marconi.serving.admission import chunk_end_for_branch
+
+    cell = Cell(config, kv_size, mamba_size)
+    cc = build(config, kv_size, mamba_size, max(4096, 2 * info.longest))
+    cell.backend = cc.cache._tree_core_backend
+    probe = Probe(cc, cell)
+    chunk_end = chunk_end_for_branch if config.startswith("marconi") else None
+    gc.collect()
+    t0 = time.perf_counter()
+    for r in info.requests:
+        hit = serve(cc, probe, r, chunk, chunk_end)
+        cell.hit_tokens += hit
+        cell.input_tokens += r.input_len
+        cell.flops_saved += profile.prefill_flops(0, hit) if hit else 0.0
+        cell.requests += 1
+        if bar is not None:
+            bar.update(1)
+    cell.wall_s = time.perf_counter() - t0
+    cell.pool_s = probe.pool_ns / 1e9
+    cc.check_no_leak()
+    cell.states_end = cc.cache.mamba_evictable_size() + cc.cache.mamba_protected_size()
+    if getattr(cc, "settings", None) is not None:
+        assert cc.settings.counters.stale_repairs == 0
+    return cell
+
+
+def warm_up(chunk):
+    """First calls pay one-off costs (torch kernels, imports): pay them outside the timings."""
+    from sglang_marconi.sim.synthetic import generate
+
+    info = describe(list(generate("lmsys", sessions=2, scale=0.1)))
+    for config in CONFIGS:
+        run_cell(config, 4096, 16, info, chunk, _profile(), None)
+
+
+def keep_malloc_arenas() -> None:
+    """Ask glibc to serve large blocks from the heap and keep freed memory (no mmap/munmap and
+    page faults per call): SGLang's CPU allocator concatenates its whole free list on every
+    free, and without this its cost swings by 10x from run to run. Ignored off glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
+def _profile():
+    from sglang_marconi.policy.model_profile import load_profile
+
+    return load_profile("nemotron-h-8b")
+
+
+# -- reporting -----------------------------------------------------------------------------------
+
+def ratio(a, b):
+    return f"{a / b:.2f}x" if b and not math.isnan(a) and not math.isnan(b) else "-"
+
+
+def us(stat):
+    med, p99, n = stat
+    return "-" if not n else f"{med:.0f} ({p99:.0f})"
+
+
+def tree_us_per_request(c: Cell) -> float:
+    return sum(sum(c.samples[op]) for op in OPS) / 1e3 / max(c.requests, 1)
+
+
+def table(name, desc, info: TraceInfo, cells: list[Cell], chunk) -> str:
+    lines = [
+        f"### {name}: {desc}",
+        "",
+        f"{len(info.requests):,} requests, {info.input_tokens:,} input tokens, infinite-cache bound "
+        f"{100 * info.infinite_hit:.2f}%, footprint {info.unique_tokens:,} tokens; prefill chunk "
+        f"{chunk or 'none'}.",
+        "",
+        "| KV tokens / Mamba slots | config | hit % | hit vs py | FLOPs saved (PFLOP) | FLOPs vs py "
+        "| states / req | match µs | checkpoint µs | release µs | evict µs (calls) "
+        "| median vs py: match / ckpt / release / evict | tree µs / req (vs py) | pool ops s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = {}
+    expected_core = {"lru-rust": "rust"}
+    for c in cells:
+        key = (c.kv_size, c.mamba_size)
+        if c.config == "lru-py":
+            base[key] = c
+        b = base[key]
+        st = {op: c.stat(op) for op in OPS}
+        bst = {op: b.stat(op) for op in OPS}
+        ratios = " / ".join(ratio(st[op][0], bst[op][0]) for op in OPS)
+        config = c.config if c.backend == expected_core.get(c.config, "python") else f"{c.config} (core: {c.backend}!)"
+        tree, btree = tree_us_per_request(c), tree_us_per_request(b)
+        lines.append(
+            f"| {c.kv_size:,} / {c.mamba_size:,} | {config} | {100 * c.hit_rate:.2f} "
+            f"| {ratio(c.hit_rate, b.hit_rate)} | {c.flops_saved / 1e15:.2f} | {ratio(c.flops_saved, b.flops_saved)} "
+            f"| {c.states_end / c.requests:.2f} | {us(st['match'])} | {us(st['checkpoint'])} | {us(st['release'])} "
+            f"| {us(st['evict'])} ({st['evict'][2]:,}) | {ratios} | {tree:.0f} ({ratio(tree, btree)}) "
+            f"| {c.pool_s:.2f} | {c.wall_s:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def targets(results) -> str:
+    """Hit rate >= upstream (both cores) in every cell; per-op median and tree time per request
+    <= 1.2x lru-py."""
+    hit_miss, op_miss, tree_miss, cells, checked = [], [], [], 0, 0
+    for name, (_, _, cells_of) in results.items():
+        base = {(c.kv_size, c.mamba_size): c for c in cells_of if c.config == "lru-py"}
+        rust = {(c.kv_size, c.mamba_size): c for c in cells_of if c.config == "lru-rust"}
+        for c in cells_of:
+            if not c.config.startswith("marconi"):
+                continue
+            cells += 1
+            key = (c.kv_size, c.mamba_size)
+            up = max(base[key].hit_rate, rust[key].hit_rate)
+            if c.hit_rate + 1e-12 < up:
+                hit_miss.append(f"{name} {key[0]:,}/{key[1]:,} {c.config}: {100 * c.hit_rate:.2f}% < {100 * up:.2f}%")
+            tree, btree = tree_us_per_request(c), tree_us_per_request(base[key])
+            if tree > 1.2 * btree:
+                tree_miss.append(f"{name} {key[0]:,}/{key[1]:,} {c.config}: {tree / btree:.2f}x")
+            for op in OPS:
+                m, bm = c.stat(op)[0], base[key].stat(op)[0]
+                if math.isnan(m) or math.isnan(bm):
+                    continue
+                checked += 1
+                if m > 1.2 * bm:
+                    op_miss.append(f"{name} {key[0]:,}/{key[1]:,} {c.config} {op}: {m / bm:.2f}x")
+    out = [f"- hit rate >= upstream (max of lru-py, lru-rust): {cells - len(hit_miss)} of {cells} Marconi cells"]
+    out += [f"  - missed: {m}" for m in hit_miss]
+    out.append(f"- per-operation median <= 1.2x lru-py: {checked - len(op_miss)} of {checked} (cell, op) pairs")
+    out += [f"  - missed: {m}" for m in op_miss]
+    out.append(f"- tree time per request <= 1.2x lru-py: {cells - len(tree_miss)} of {cells} Marconi cells")
+    out += [f"  - missed: {m}" for m in tree_miss]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small traces, two pool sizes (~1 minute)")
+    ap.add_argument("--traces", default="agent,chat,mooncake")
+    ap.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens (0: no chunking)")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads (2 on this 2-core VM adds ms-scale stalls to tiny CPU tensor ops)")
+    ap.add_argument("--json", type=Path, help="write every cell's numbers here")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TQDM_MININTERVAL", "1")
+    chunk = args.chunk_size or None
+    fractions = (0.15,) if args.quick else (0.1, 0.25, 0.5)
+    all_traces = traces(args.quick)
+    chosen = [t for t in args.traces.split(",") if t]
+    unknown = set(chosen) - set(all_traces)
+    if unknown:
+        ap.error(f"unknown traces {sorted(unknown)}; known: {list(all_traces)}")
+
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
+    keep_malloc_arenas()
+    profile = _profile()
+    t_start = time.perf_counter()
+    warm_up(chunk)
+    plan = {}
+    for name in chosen:
+        desc, make = all_traces[name]
+        info = describe(make())
+        plan[name] = (desc, info, pool_sizes(info, fractions, chunk))
+    total = sum(len(info.requests) * len(sizes) * len(CONFIGS) for _, info, sizes in plan.values())
+    bar = tqdm(total=total, desc="replay", unit="req", file=sys.stderr, mininterval=1) if tqdm else None
+    results = {}
+    for name, (desc, info, sizes) in plan.items():
+        cells = []
+        for kv, mamba in sizes:
+            for config in CONFIGS:
+                if bar is not None:
+                    bar.set_postfix_str(f"{name} {kv}/{mamba} {config}")
+                cells.append(run_cell(config, kv, mamba, info, chunk, profile, bar))
+        results[name] = (desc, info, cells)
+    if bar is not None:
+        bar.close()
+
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"{platform.python_implementation()} {platform.python_version()}, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}; wall {time.perf_counter() - t_start:.0f} s\n")
+    for name, (desc, info, cells) in results.items():
+        print(table(name, desc, info, cells, chunk), "\n")
+    print("Targets:\n" + targets(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            name: {"description": desc, "requests": len(info.requests), "input_tokens": info.input_tokens,
+                   "infinite_hit_rate": info.infinite_hit, "cells": [
+                       {"config": c.config, "backend": c.backend, "kv_size": c.kv_size, "mamba_size": c.mamba_size,
+                        "hit_rate": c.hit_rate, "flops_saved": c.flops_saved, "states_end": c.states_end,
+                        "requests": c.requests, "evicted_tokens": c.evicted_tokens, "evicted_states": c.evicted_states,
+                        "wall_s": c.wall_s, **{f"{op}_us": c.stat(op)[:2] for op in OPS},
+                        **{f"{op}_n": c.stat(op)[2] for op in OPS}} for c in cells]}
+            for name, (desc, info, cells) in results.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

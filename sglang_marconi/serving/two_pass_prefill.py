@@ -1,0 +1,166 @@
+"""Two-pass prefill inside SGLang's scheduler: end a prefill chunk at the branch position.
+
+Marconi admits a request's branch state only from the checkpoint whose length equals
+`req.mamba_branching_seqlen` (set at match time; see `admission.py`). In SGLang's no_buffer mode
+(the default without overlap scheduling / with page size 1) a Mamba state exists only at the end
+of an extend, so when the branch lies strictly inside the extend that `PrefillAdder` picks, the
+extend is ended at the branch and the request continues as SGLang's (single) chunked request in
+the next round; `Scheduler.stash_chunked_request` -> `checkpoint_kv_cache` then runs at exactly
+the branch length. In extra-buffer mode SGLang tracks the branch itself (`mamba_track`), so
+nothing changes there; nothing changes either when the tree cache is not Marconi's.
+
+Done with two AROUND hooks from SGLang's `HookRegistry` (no source patch):
+
+- `PrefillAdder._select_prefill_admission` (a new request, called from `add_one_req`): its result
+  (`_PrefillAdmission`: prefix, extend, max-new reservation, is_chunked) is what
+  `_commit_prefill_admission` turns into `req.extend_end`, `new_chunked_req` and the budget
+  charges, so shortening it there keeps every budget in step. The max-new-token reservation of
+  a request that would otherwise have finished its prefill is kept (over-reserving within this
+  round, never under-reserving).
+  SGLang tracks one chunked request: if one already exists (a continuing chunked request, or one
+  admitted earlier in this round) the request is not split (its branch state is lost; counted),
+  and a new admission that would itself be chunked is refused for this round (`OTHER`; it stays
+  queued) instead of overwriting the existing chunked request - upstream relies on the chunk
+  budget being spent by then, which a split at the branch no longer guarantees.
+- `PrefillAdder.add_chunked_req` (the continuing chunked request): its chunk limit
+  (`chunked_req_limit`, read only there) is capped at the branch for the call, so upstream's own
+  arithmetic computes the shorter chunk and charges exactly it.
+
+Split positions come from `admission.chunk_end_for_branch`; a cut that is not page aligned (or
+not on `truncation_align_size`) is not made (counted). Counters live on the tree cache,
+`tree_cache.marconi_two_pass_counters`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pkgutil
+from dataclasses import dataclass
+
+from sglang_marconi.serving.admission import chunk_end_for_branch
+
+_POLICY = "sglang.srt.managers.schedule_policy.PrefillAdder"
+SELECT_TARGET = f"{_POLICY}._select_prefill_admission"
+CHUNKED_TARGET = f"{_POLICY}.add_chunked_req"
+
+
+@dataclass
+class TwoPassCounters:
+    splits: int = 0  # new requests whose extend was ended at their branch
+    continuation_splits: int = 0  # continuing chunked requests ended at their branch
+    skipped_other_chunked: int = 0  # branch inside the extend, but another request is chunked
+    skipped_unaligned: int = 0  # branch not on the page / truncation grid
+    deferred_second_chunked: int = 0  # a new chunked admission refused: one is chunked already
+
+
+def two_pass_active(tree_cache) -> bool:
+    """Marconi's tree cache in no_buffer mode."""
+    return (
+        getattr(tree_cache, "marconi_settings", None) is not None
+        and getattr(tree_cache, "enable_mamba_extra_buffer", True) is False
+    )
+
+
+def counters(tree_cache) -> TwoPassCounters:
+    return tree_cache.__dict__.setdefault("marconi_two_pass_counters", TwoPassCounters())
+
+
+def _aligned(adder, prefix_len: int, end: int, truncation_align_size=None) -> bool:
+    if end % adder.page_size:
+        return False
+    return truncation_align_size is None or (end - prefix_len) % truncation_align_size == 0
+
+
+def _select_around(original, adder, req, *args, **kwargs):
+    admission = original(adder, req, *args, **kwargs)
+    cache = adder.tree_cache
+    if not two_pass_active(cache) or adder.dllm_config is not None:
+        return admission
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    if isinstance(admission, AddReqResult):
+        return admission
+    another_chunked = kwargs.get("has_chunked_req", False) or adder.new_chunked_req is not None
+    if admission.is_chunked and another_chunked:
+        counters(cache).deferred_second_chunked += 1
+        return AddReqResult.OTHER
+    prefix = admission.prefix_len
+    end = prefix + admission.extend_len
+    if prefix != req.prefix_len:  # a host hit would be loaded first: leave the shape alone
+        return admission
+    cut = chunk_end_for_branch(req, end)
+    if not prefix < cut < end:
+        return admission
+    if another_chunked:
+        counters(cache).skipped_other_chunked += 1
+        return admission
+    if not _aligned(adder, prefix, cut, kwargs.get("truncation_align_size")):
+        counters(cache).skipped_unaligned += 1
+        return admission
+    counters(cache).splits += 1
+    # Keep max_new_tokens: the request is charged as if it finished its prefill (over-reserving).
+    return dataclasses.replace(admission, extend_len=cut - prefix, is_chunked=True)
+
+
+def _add_chunked_around(original, adder, req, *args, **kwargs):
+    cache = adder.tree_cache
+    if not two_pass_active(cache) or adder.dllm_config is not None:
+        return original(adder, req, *args, **kwargs)
+    n = len(req.full_untruncated_fill_ids)
+    cut = chunk_end_for_branch(req, n)
+    if not req.prefix_len < cut < n:
+        return original(adder, req, *args, **kwargs)
+    if not _aligned(adder, req.prefix_len, cut):
+        counters(cache).skipped_unaligned += 1
+        return original(adder, req, *args, **kwargs)
+    saved = adder.chunked_req_limit
+    limit = cut - req.prefix_len
+    adder.chunked_req_limit = limit if saved is None else min(saved, limit)
+    try:
+        result = original(adder, req, *args, **kwargs)
+    finally:
+        adder.chunked_req_limit = saved
+    if adder.can_run_list and adder.can_run_list[-1] is req and req.extend_end == cut:
+        counters(cache).continuation_splits += 1
+    return result
+
+
+_HOOKS = ((SELECT_TARGET, _select_around), (CHUNKED_TARGET, _add_chunked_around))
+_originals: dict[str, object] = {}
+
+
+def install_two_pass_prefill_hook(apply_now: bool = False) -> None:
+    """Register the hooks with SGLang's HookRegistry (idempotent). `load_plugins()` applies them
+    after every plugin's register() ran; `apply_now=True` applies them at once (tests, or a
+    process that already loaded its plugins)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in _HOOKS:
+        if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
+            if target not in HookRegistry._patched:
+                owner, attr = target.rsplit(".", 1)
+                _originals[target] = pkgutil.resolve_name(owner).__dict__[attr]
+            HookRegistry.register(target, hook, HookType.AROUND)
+    if apply_now:
+        HookRegistry.apply_hooks()
+
+
+def uninstall_two_pass_prefill_hook() -> None:
+    """Undo install_two_pass_prefill_hook (for tests): unregister, restore the original methods
+    and re-apply whatever other hooks those targets had."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    for target, hook in _HOOKS:
+        entries = HookRegistry._hooks.get(target)
+        if entries is None:
+            continue
+        entries[:] = [e for e in entries if e[1] is not hook]
+        if target in HookRegistry._patched and target in _originals:
+            owner, attr = target.rsplit(".", 1)
+            setattr(pkgutil.resolve_name(owner), attr, _originals.pop(target))
+            HookRegistry._patched.discard(target)
+            if entries:
+                HookRegistry._apply_target(target, entries)
+                HookRegistry._patched.add(target)
+        if not entries:
+            HookRegistry._hooks.pop(target, None)

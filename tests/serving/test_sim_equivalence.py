@@ -1,0 +1,191 @@
+"""The simulator's `HybridPrefixCache` and SGLang's real cache (Marconi components + admission,
+CPU, driven through the scheduler's calls) agree request by request.
+
+Without eviction (`test_same_hits_without_eviction`) the per-request hit lengths are *exactly*
+equal once two documented conventions are matched:
+
+1. Output tokens: SGLang caches `input + output[:-1]`: the last decoded token was sampled but
+   never fed back, so it has no KV and the final Mamba state is the one after `output[-2]`
+   (`release_kv_cache` checkpoints `owned_kv_len = kv_committed_len`). The simulator's
+   `serve(input, output)` admits the whole output, so fed the full output it hits exactly
+   1 token more than SGLang on every continuation turn (turn k+1 extends turn k's input +
+   output) and the same elsewhere (`test_full_output_is_one_token_longer_on_continuations`).
+   Feeding it `output[:-1]` removes the difference.
+2. Checkpoint grid: SGLang puts the branch state at the full-KV match floored to its Mamba
+   checkpoint grid (`mamba_cache_chunk_size`, 64 here: `MambaComponent.finalize_match_result_in_tree_core`
+   -> `req.mamba_branching_seqlen`); the simulator with `checkpoint_grid=64` floors the same way.
+   With `checkpoint_grid=1` (the paper's exact branch) the simulator hits up to 63 tokens more
+   on requests that reuse a branch (`test_exact_branch_differs_only_by_grid_rounding`).
+
+Both cap a hit at `len(input) - 1` (SGLang's `Req._compute_max_prefix_len`; the simulator's
+`lookup` limit). They differ in *where* that cap applies to the branch checkpoint: SGLang caps the
+KV match before flooring it to the grid, the simulator floors the uncapped overlap. The two only
+disagree when a request's whole input is already cached and its length is a multiple of the
+grid (an exact repeat of a 128-token prompt: SGLang checkpoints at 64 and later repeats hit 64;
+the simulator checkpoints at 128, which the same input can never use, and hits 0): see the
+strict xfail `test_repeated_grid_multiple_input`.
+
+Token ids are the workloads' own (uniform in [0, 32000)); SGLang's cache does not look at a
+vocabulary, so no remapping is needed.
+
+With eviction (`test_invariants_under_eviction`) equality is not expected: SGLang has two
+budgets (KV token slots, Mamba state slots) and evicts under whichever runs short, while the
+simulator has one byte budget (here KV tokens x kv bytes + (Mamba slots - 1) x state bytes, one
+slot being held by the request in flight), so it can trade states for KV and back; SGLang also
+stamps the whole matched path on a hit. Measured agreement (requests with equal hits) on the
+156-request mixed workload below: alpha 0: 140/156 (90%) at 3,000 KV tokens / 8 Mamba slots,
+136/156 (87%) at 6,000 / 16; alpha 1: 124/156 (79%) and 119/156 (76%). Only invariants are
+asserted: no KV or Mamba slot leaks after any request, every hit <= the infinite-cache bound,
+and the Marconi candidate index equal to a from-scratch evaluation.
+"""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sglang")
+
+from sglang_cpu import build_cache, run_request  # noqa: E402
+
+from sglang_marconi.policy.eviction import FlopAwareEviction  # noqa: E402
+from sglang_marconi.policy.hybrid_cache import HybridPrefixCache  # noqa: E402
+from sglang_marconi.policy.model_profile import load_profile  # noqa: E402
+from sglang_marconi.serving.admission import admission_mixin, chunk_end_for_branch  # noqa: E402
+from sglang_marconi.serving.eviction_components import (  # noqa: E402
+    MarconiEvictionSettings,
+    marconi_component_overrides,
+)
+from sglang_marconi.sim.baselines.infinite import InfiniteCache  # noqa: E402
+from sglang_marconi.sim.synthetic import generate  # noqa: E402
+
+PROFILE = load_profile("nemotron-h-8b")
+GRID = 64  # build_cache's mamba_cache_chunk_size
+AMPLE = 10**18  # simulator capacity: never evicts
+
+# (workload, prefill chunk size): a shared system prompt, multi-turn chats, agent trajectories
+WORKLOADS = {
+    "system-prompt": (lambda: generate("system-prompt", sessions=60, scale=0.5), 128),
+    "lmsys": (lambda: generate("lmsys", sessions=6, scale=0.1), None),
+    "sharegpt": (lambda: generate("sharegpt", sessions=8, scale=0.2), 64),
+    "swe-agent": (lambda: generate("swe-agent", sessions=3, scale=0.05), 256),
+}
+
+
+def marconi_sglang(alpha=0.0, **kwargs):
+    settings = MarconiEvictionSettings(PROFILE, alpha=alpha)
+    overrides = marconi_component_overrides(settings, mamba_mixins=(admission_mixin(),))
+    cc = build_cache(component_registry_override=overrides, **kwargs)
+    cc.settings = settings
+    return cc
+
+
+def ample_sglang(requests):
+    """Pools large enough that nothing is evicted: every token once, <= 2 states per request."""
+    tokens = sum(r.input_len + r.output_len for r in requests)
+    longest = max(r.input_len + r.output_len for r in requests)
+    return marconi_sglang(kv_size=tokens + 1024, mamba_size=2 * len(requests) + 8,
+                          max_context_len=max(4096, 2 * longest))
+
+
+def sglang_hit(cc, r, chunk_size):
+    _, hit = run_request(cc, r.input_tokens.tolist(), r.output_len, chunk_size=chunk_size,
+                         out_tokens=r.output_tokens.tolist(), chunk_end=chunk_end_for_branch)
+    cc.check_no_leak()
+    return hit
+
+
+def replay(name, sims):
+    """Per-request hits of SGLang and of each simulator in `sims` ({key: (cache, drop_last)})."""
+    make, chunk = WORKLOADS[name]
+    requests = list(make())
+    cc = ample_sglang(requests)
+    hits = {"sglang": []} | {k: [] for k in sims}
+    for r in requests:
+        hits["sglang"].append(sglang_hit(cc, r, chunk))
+        for key, (sim, drop_last) in sims.items():
+            out = r.output_tokens[:-1] if drop_last else r.output_tokens
+            hits[key].append(sim.serve(r.input_tokens, out)[0].hit_tokens)
+    c = cc.settings.counters
+    assert c.evictions_leaf == c.evictions_single_child == c.evictions_fallback == 0, "SGLang evicted"
+    for sim, _ in sims.values():
+        assert sim.counters.evictions_leaf == sim.counters.evictions_single_child == 0, "simulator evicted"
+    return requests, {k: np.array(v) for k, v in hits.items()}
+
+
+def sim(grid=GRID):
+    return HybridPrefixCache(PROFILE, AMPLE, checkpoint_grid=grid)
+
+
+@pytest.fixture(scope="module")
+def replays():
+    return {
+        name: replay(name, {"same": (sim(), True), "full_output": (sim(), False), "exact_branch": (sim(1), True)})
+        for name in WORKLOADS
+    }
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_same_hits_without_eviction(replays, name):
+    requests, hits = replays[name]
+    assert hits["sglang"].sum() > 0.5 * sum(r.input_len for r in requests)  # the cache is used
+    differing = np.flatnonzero(hits["sglang"] != hits["same"])
+    assert differing.size == 0, [(int(i), int(hits["sglang"][i]), int(hits["same"][i])) for i in differing[:5]]
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_full_output_is_one_token_longer_on_continuations(replays, name):
+    requests, hits = replays[name]
+    # A continuation: this input extends the previous request of the session by its whole output.
+    last, continuation = {}, []
+    for r in requests:
+        prev = last.get(r.session_id)
+        seq = None if prev is None else prev.full_sequence()
+        continuation.append(seq is not None and r.input_len > len(seq) and np.array_equal(r.input_tokens[: len(seq)], seq))
+        last[r.session_id] = r
+    assert np.array_equal(hits["full_output"] - hits["sglang"], np.array(continuation, dtype=int))
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_exact_branch_differs_only_by_grid_rounding(replays, name):
+    _, hits = replays[name]
+    diff = hits["exact_branch"] - hits["sglang"]
+    assert diff.min() >= 0 and diff.max() < GRID
+    if name == "system-prompt":  # prompts of 500-1000 tokens are reused at their floor to the grid
+        assert (diff > 0).sum() > len(diff) // 2
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "simulator floors the uncapped overlap to the grid: an exact repeat of a 128-token input "
+    "checkpoints at 128 (unusable, hit <= len-1) where SGLang checkpoints at 64"))
+def test_repeated_grid_multiple_input():
+    cc, cache = marconi_sglang(), sim()
+    prompt = list(range(1, 129))
+    for i in range(4):
+        out = [50_000 + 10 * i + j for j in range(5)]
+        _, hit = run_request(cc, prompt, 5, out_tokens=out, chunk_end=chunk_end_for_branch)
+        assert hit == cache.serve(prompt, out[:-1])[0].hit_tokens, (i, hit)
+
+
+def mixed_workload():
+    rs = list(generate("lmsys", sessions=8, scale=0.1, seed=1)) + list(generate("system-prompt", sessions=40, scale=0.2, seed=2))
+    return sorted(rs, key=lambda r: r.arrival_s)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+@pytest.mark.parametrize("kv_size,mamba_size", [(3000, 8), (6000, 16)])
+def test_invariants_under_eviction(alpha, kv_size, mamba_size):
+    requests = mixed_workload()
+    cc = marconi_sglang(alpha, kv_size=kv_size, mamba_size=mamba_size, max_context_len=4096, max_num_reqs=2)
+    capacity = kv_size * PROFILE.kv_bytes_per_token + (mamba_size - 1) * PROFILE.ssm_state_bytes
+    cache = HybridPrefixCache(PROFILE, capacity, FlopAwareEviction(alpha), checkpoint_grid=GRID)
+    bound = InfiniteCache()
+    agree = 0
+    for r in requests:
+        hit = sglang_hit(cc, r, None)  # checks the KV and Mamba ledgers
+        assert hit <= bound.serve(r).hit_tokens
+        agree += hit == cache.serve(r.input_tokens, r.output_tokens[:-1])[0].hit_tokens
+    cache.check_invariants()
+    cc.cache.marconi_index.check()
+    c = cc.settings.counters
+    assert c.evictions_leaf + c.evictions_single_child > 0, "no eviction pressure"
+    assert c.stale_repairs == 0
+    assert agree >= 0.6 * len(requests)  # measured 76-90% (module docstring)

@@ -1,0 +1,310 @@
+"""Two-pass prefill against SGLang's REAL scheduler pieces on CPU: `PrefillAdder` built with the
+scheduler's arguments, `ScheduleBatch.init_new` + `prepare_for_extend` (alloc_for_extend), the
+chunked-request hand-off of `Scheduler.get_new_batch_prefill`, and `stash_chunked_request`
+(`checkpoint_kv_cache`), with the hooks applied through SGLang's HookRegistry."""
+
+import types
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from sglang_cpu import MAMBA, build_cache, make_request  # noqa: E402
+
+from sglang_marconi.serving.admission import admission_mixin  # noqa: E402
+from sglang_marconi.serving.eviction_components import (  # noqa: E402
+    MarconiEvictionSettings,
+    marconi_component_overrides,
+)
+from sglang_marconi.serving.two_pass_prefill import (  # noqa: E402
+    CHUNKED_TARGET,
+    SELECT_TARGET,
+    TwoPassCounters,
+    install_two_pass_prefill_hook,
+    two_pass_active,
+    uninstall_two_pass_prefill_hook,
+)
+
+from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402
+from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
+from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+
+SYSTEM = list(range(1, 1001))  # branch at 1,000 lands on the 64-token Mamba grid at 960
+MODEL_CONFIG = types.SimpleNamespace(vocab_size=32000, is_encoder_decoder=False)
+
+
+@pytest.fixture(autouse=True)
+def hooks():
+    originals = (PrefillAdder._select_prefill_admission, PrefillAdder.add_chunked_req)
+    install_two_pass_prefill_hook(apply_now=True)
+    assert PrefillAdder._select_prefill_admission is not originals[0]
+    yield
+    uninstall_two_pass_prefill_hook()
+    assert (PrefillAdder._select_prefill_admission, PrefillAdder.add_chunked_req) == originals
+
+
+def marconi(**kwargs):
+    settings = MarconiEvictionSettings("nemotron-h-8b", alpha=0.0)
+    cc = build_cache(component_registry_override=marconi_component_overrides(
+        settings, mamba_mixins=(admission_mixin(),)), **kwargs)
+    cc.settings = settings
+    cc.cache.marconi_settings = settings  # what the `marconi` backend factory sets
+    return cc
+
+
+class Scheduler:
+    """The part of `Scheduler.get_new_batch_prefill` / `process_batch_result_prefill` that
+    decides and runs prefill chunks (no model forward: the state copy-on-write the forward pass
+    would do is done by hand; every request decodes one token and finishes)."""
+
+    def __init__(self, cc, chunked_prefill_size=8192, max_prefill_tokens=16384):
+        self.cc = cc
+        self.chunked_prefill_size = chunked_prefill_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting = []
+        self.chunked_req = None
+        self.finished = []
+        self.running_batch = ScheduleBatch.init_new(
+            [], cc.req_to_token_pool, cc.allocator, cc.cache, MODEL_CONFIG, False, SpeculativeAlgorithm.NONE)
+
+    def submit(self, tokens):
+        req = make_request(tokens, 1)
+        self.waiting.append(req)
+        return req
+
+    def round(self):
+        cc = self.cc
+        adder = PrefillAdder(
+            1, cc.cache, cc.allocator, self.running_batch, 0.7, self.max_prefill_tokens,
+            self.chunked_prefill_size, 0, 0, max_prefill_bs=0, max_running_requests=cc.max_num_reqs,
+            prefill_max_requests=None, prefill_delayer_single_pass=None, dllm_config=None,
+            waiting_queue_len=len(self.waiting), prefill_tile_block_m=64,
+        )
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input()
+            adder.chunked_req_limit = None  # shortest_prefill_chunk_limit under the default policy
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting:
+            if adder.budget_state() == AddReqResult.OTHER:
+                break
+            req.init_next_round_input(cc.cache)
+            res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None, truncation_align_size=None)
+            if res != AddReqResult.CONTINUE:
+                added = len(adder.can_run_list) > 0 and req is adder.can_run_list[-1]
+                if not added:
+                    req.kv.mamba_cow_src_index = None
+                    req.kv.mamba_needs_clear = False
+                    if req.kv.holds_mamba:
+                        cc.req_to_token_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+                        req.kv.mamba_pool_idx = None
+                break
+        can_run = list(adder.can_run_list)
+        self.waiting = [r for r in self.waiting if r not in can_run]
+        if adder.new_chunked_req is not None:
+            assert self.chunked_req is None  # the scheduler's own invariant
+            self.chunked_req = adder.new_chunked_req
+        if not can_run:
+            return adder, None
+        batch = ScheduleBatch.init_new(can_run, cc.req_to_token_pool, cc.allocator, cc.cache, MODEL_CONFIG,
+                                       False, SpeculativeAlgorithm.NONE, chunked_req=self.chunked_req)
+        batch.prepare_for_extend()
+        for req in can_run:  # the forward pass's deferred Mamba copy-on-write
+            if req.kv.mamba_cow_src_index is not None:
+                cc.req_to_token_pool.copy_mamba_state(req.kv.mamba_cow_src_index.view(-1),
+                                                      req.kv.mamba_pool_idx.view(-1))
+                req.kv.mamba_cow_src_index = None
+            req.kv.mamba_needs_clear = False
+        for req in can_run:
+            if req is self.chunked_req:
+                checkpoint_kv_cache(req, cc.cache)  # stash_chunked_request
+            else:
+                req.output_ids.append(10_000_000 + len(self.finished))
+                req.update_finish_state()
+                assert req.finished()
+                release_kv_cache(req, cc.cache, checkpoint=True)
+                self.finished.append(req)
+        return adder, batch
+
+    def drain(self, max_rounds=20):
+        for _ in range(max_rounds):
+            if not self.waiting and self.chunked_req is None:
+                return
+            self.round()
+        raise AssertionError("scheduler did not drain")
+
+
+def depth(node) -> int:
+    n = 0
+    while node.parent is not None:
+        n += len(node.key)
+        node = node.parent
+    return n
+
+
+def state_depths(cc) -> list[int]:
+    return sorted(depth(n) for n in cc.nodes() if n.component_data[MAMBA].value is not None)
+
+
+def two_pass(cc) -> TwoPassCounters:
+    return cc.cache.__dict__.get("marconi_two_pass_counters", TwoPassCounters())
+
+
+def test_hooks_registered_once_through_the_hook_registry():
+    install_two_pass_prefill_hook()
+    install_two_pass_prefill_hook(apply_now=True)
+    for target in (SELECT_TARGET, CHUNKED_TARGET):
+        assert len(HookRegistry._hooks[target]) == 1 and target in HookRegistry._patched
+
+
+def _hooks_applied_by_load_plugins(queue):
+    from sglang.srt.plugins import load_plugins
+
+    from sglang_marconi.serving.two_pass_prefill import install_two_pass_prefill_hook
+
+    install_two_pass_prefill_hook()  # what the plugin's register() does, inside load_plugins()
+    load_plugins()  # what every scheduler process does first: runs plugins, applies the hooks
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    queue.put([getattr(PrefillAdder, name).__wrapped__.__qualname__
+               for name in ("_select_prefill_admission", "add_chunked_req")])
+
+
+def test_hooks_are_applied_in_a_spawned_process_by_load_plugins():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_hooks_applied_by_load_plugins, args=(queue,))
+    proc.start()
+    wrapped = queue.get(timeout=120)
+    proc.join(timeout=60)
+    assert wrapped == ["PrefillAdder._select_prefill_admission", "PrefillAdder.add_chunked_req"]
+
+
+def test_branch_inside_the_extend_is_split_there_and_continues_as_the_chunked_request():
+    cc = marconi()
+    s = Scheduler(cc)
+    s.submit(SYSTEM + list(range(5000, 5200)))
+    s.drain()  # empty tree: no branch, one prefill
+    assert two_pass(cc).splits == 0 and state_depths(cc) == [1200]
+
+    req = s.submit(SYSTEM + list(range(6000, 6200)))
+    adder, batch = s.round()
+    assert req.mamba_branching_seqlen == 960 and req.prefix_len == 960  # stashed at the branch
+    assert s.chunked_req is req and adder.new_chunked_req is req
+    assert batch.extend_num_tokens == 960 and batch.seq_lens_cpu.tolist() == [960]
+    # Budgets charge exactly the 960-token chunk (+ one page), keeping the request's max-new
+    # reservation of 1 token (over-reserving, as for a request that finishes its prefill).
+    assert adder.memory_budget.current_offset == 961 and adder.memory_budget.total_offset == 962
+    assert adder.rem_chunk_tokens == 8192 - 960 and adder.log_input_tokens == 960
+    assert 960 in state_depths(cc)  # the branch state, admitted by Marconi's admission
+    assert two_pass(cc).splits == 1
+
+    adder, batch = s.round()  # the continuation: the rest of the prompt, then it finishes
+    assert batch.extend_num_tokens == 240 and s.chunked_req is None and req.finished()
+    assert state_depths(cc) == [960, 1200, 1200]
+    cc.check_no_leak()
+
+    third = s.submit(SYSTEM + list(range(7000, 7200)))
+    s.drain()
+    assert third.cached_tokens == 960  # reused from the branch state
+    cc.check_no_leak()
+
+
+def test_upstream_behaviour_without_the_split_for_comparison():
+    cc = marconi()
+    cc.cache.marconi_settings = None  # backend not Marconi: hooks inactive
+    s = Scheduler(cc)
+    reqs = [s.submit(SYSTEM + list(range(5000 + 300 * i, 5200 + 300 * i))) for i in range(3)]
+    for _ in reqs:
+        s.round()
+    assert [r.cached_tokens for r in reqs] == [0, 0, 0]
+    assert "marconi_two_pass_counters" not in cc.cache.__dict__
+
+
+def test_request_without_a_branch_point_is_untouched():
+    cc = marconi()
+    s = Scheduler(cc)
+    first = s.submit(list(range(100, 700)))
+    adder, batch = s.round()
+    assert first.mamba_branching_seqlen is None and batch.extend_num_tokens == 600
+    assert adder.new_chunked_req is None and s.chunked_req is None and first.finished()
+    # A continuation hitting a stored state exactly: no branch beyond it either.
+    again = s.submit(list(range(100, 700)) + [1, 2, 3])
+    adder, batch = s.round()
+    assert again.cached_tokens == 600 and again.mamba_branching_seqlen is None
+    assert batch.extend_num_tokens == 3 and adder.new_chunked_req is None and again.finished()
+    assert two_pass(cc) == TwoPassCounters()
+    cc.check_no_leak()
+
+
+def test_continuing_chunked_request_is_ended_at_its_branch_and_no_second_split():
+    cc = marconi(kv_size=16384, max_num_reqs=8)
+    s = Scheduler(cc, chunked_prefill_size=1024)
+    prompt = list(range(20000, 21600))
+    s.submit(prompt)
+    s.drain()  # tree: 1600 tokens of KV, final state only
+    assert state_depths(cc) == [1600]
+
+    long = s.submit(prompt[:1550] + list(range(30000, 31000)))  # hit 1550 -> branch at 1536
+    adder, batch = s.round()  # upstream chunk [0, 1024): the branch is not inside
+    assert long.mamba_branching_seqlen == 1536 and batch.extend_num_tokens == 1024
+    assert s.chunked_req is long and two_pass(cc).splits == 0
+
+    small = s.submit(prompt[:450] + list(range(40000, 40050)))  # branch at 448, extend 500
+    big = s.submit(list(range(50000, 52000)))  # would need a chunk of its own
+    adder, batch = s.round()
+    # The continuation ends at the branch (512 of the 1024 budget) and stays the chunked request;
+    assert long.prefix_len == 1536 and s.chunked_req is long and 1536 in state_depths(cc)
+    assert two_pass(cc).continuation_splits == 1
+    assert adder.memory_budget.current_offset == 512 + 1 + 500 + 1  # exact charges
+    # the small request, branch inside its extend, is admitted whole: its state there is lost;
+    assert small.finished() and small.mamba_branching_seqlen == 448
+    assert two_pass(cc).skipped_other_chunked == 1
+    # the big one would become a second chunked request: refused this round, still queued.
+    assert two_pass(cc).deferred_second_chunked == 1 and s.waiting == [big]
+    assert batch.extend_num_tokens == 512 + 500
+
+    s.drain()
+    assert long.finished() and big.finished()
+    cc.check_no_leak()
+
+
+def test_second_new_request_with_a_branch_is_not_split_in_the_same_round():
+    cc = marconi(max_num_reqs=8)
+    s = Scheduler(cc)
+    s.submit(SYSTEM + list(range(5000, 5200)))
+    other = list(range(60000, 60700))
+    s.submit(other + [1])
+    s.drain()
+    a = s.submit(SYSTEM + list(range(6000, 6100)))  # branch 960
+    b = s.submit(other + list(range(61000, 61100)))  # branch 640
+    adder, batch = s.round()
+    assert s.chunked_req is a and a.prefix_len == 960
+    assert b.finished() and b.mamba_branching_seqlen == 640
+    c = two_pass(cc)
+    assert (c.splits, c.skipped_other_chunked) == (1, 1)
+    s.drain()
+    cc.check_no_leak()
+
+
+def test_nothing_changes_when_the_backend_is_not_marconi():
+    cc = build_cache()  # upstream components, no `marconi_settings`
+    s = Scheduler(cc)
+    s.submit(SYSTEM + list(range(5000, 5200)))
+    s.drain()
+    req = s.submit(SYSTEM + list(range(6000, 6200)))
+    adder, batch = s.round()
+    assert req.mamba_branching_seqlen == 960 and batch.extend_num_tokens == 1200
+    assert adder.new_chunked_req is None and req.finished()
+    assert "marconi_two_pass_counters" not in cc.cache.__dict__
+    cc.check_no_leak()
+
+
+def test_inactive_in_extra_buffer_mode():
+    marked = types.SimpleNamespace(marconi_settings=object(), enable_mamba_extra_buffer=True)
+    assert not two_pass_active(marked)
+    assert two_pass_active(types.SimpleNamespace(marconi_settings=object(), enable_mamba_extra_buffer=False))
+    assert not two_pass_active(types.SimpleNamespace(enable_mamba_extra_buffer=False))

@@ -82,18 +82,17 @@ def mooncake_requests(n: int, block_tokens: int):
 
 
 def traces(quick: bool):
+    """name -> (description, token scale vs the real trace, requests factory)."""
     from sglang_marconi.sim.synthetic import generate
 
-    if quick:
-        return {
-            "agent": ("synthetic swe-agent, 2 trajectories, scale 0.1", lambda: list(generate("swe-agent", sessions=2, scale=0.1))),
-            "chat": ("synthetic lmsys, 10 sessions, scale 0.25", lambda: list(generate("lmsys", sessions=10, scale=0.25))),
-            "mooncake": ("Mooncake conversation, first 300 requests, 64 tokens per block", lambda: mooncake_requests(300, 64)),
-        }
+    agent, chat, moon = (2, 10, 300) if quick else (20, 100, 3000)
     return {
-        "agent": ("synthetic swe-agent, 6 trajectories, scale 0.1", lambda: list(generate("swe-agent", sessions=6, scale=0.1))),
-        "chat": ("synthetic lmsys, 40 sessions, scale 0.25", lambda: list(generate("lmsys", sessions=40, scale=0.25))),
-        "mooncake": ("Mooncake conversation, first 1,000 requests, 64 tokens per block", lambda: mooncake_requests(1000, 64)),
+        "agent": (f"synthetic swe-agent, {agent} trajectories, scale 0.1", 0.1,
+                  lambda: list(generate("swe-agent", sessions=agent, scale=0.1))),
+        "chat": (f"synthetic lmsys, {chat} sessions, scale 0.25", 0.25,
+                 lambda: list(generate("lmsys", sessions=chat, scale=0.25))),
+        "mooncake": (f"Mooncake conversation trace, first {moon:,} requests, 64 tokens per 512-token block",
+                     64 / MOONCAKE_BLOCK, lambda: mooncake_requests(moon, 64)),
     }
 
 
@@ -115,16 +114,23 @@ def describe(requests) -> TraceInfo:
     return TraceInfo(requests, total, inf.tokens, hits / total, max(r.input_len + r.output_len for r in requests))
 
 
-def pool_sizes(info: TraceInfo, fractions, chunk: int | None):
-    """(KV tokens, Mamba slots) from tight to ample: a fraction of the infinite-cache footprint
-    (KV) and of two states per request (Mamba: Marconi's admission bound), never below what one
-    request in flight needs. The last, ample cell holds everything for every config (upstream
-    keeps a state per prefill chunk too)."""
-    n = len(info.requests)
+MAMBA_FULL_MEMORY_RATIO = 0.9  # SGLang's default --mamba-full-memory-ratio
+
+
+def pool_sizes(info: TraceInfo, fractions, scale: float, profile):
+    """(KV tokens, Mamba slots) from tight to ample. KV = a fraction of the infinite-cache
+    footprint (never below what the longest request needs in flight); Mamba slots = what SGLang's
+    default memory split gives that KV pool for the real model: mamba bytes = 0.9 x KV bytes
+    (`--mamba-full-memory-ratio`), with the nemotron-h-8b profile's bytes (one SSM state = 3,162
+    tokens of KV) and the KV counted at the trace's real length (scaled tokens / `scale`)."""
     floor_kv = info.longest + 256
-    cells = [(max(floor_kv, round(f * info.unique_tokens)), max(6, round(f * 2 * n))) for f in fractions]
-    chunks = 1 if not chunk else math.ceil(info.longest / chunk)
-    cells.append((info.unique_tokens + floor_kv, n * (chunks + 2) + 8))
+    tokens_per_state = profile.ssm_state_bytes / profile.kv_bytes_per_token
+    cells = []
+    for f in fractions:
+        kv = max(floor_kv, round(f * info.unique_tokens))
+        mamba = max(6, round(MAMBA_FULL_MEMORY_RATIO * kv / scale / tokens_per_state))
+        if (kv, mamba) not in cells:
+            cells.append((kv, mamba))
     return cells
 
 
@@ -416,7 +422,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TQDM_MININTERVAL", "1")
     chunk = args.chunk_size or None
-    fractions = (0.15,) if args.quick else (0.1, 0.25, 0.5)
+    fractions = (0.25, 1.0) if args.quick else (0.1, 0.25, 0.5, 1.0, 2.0)
     all_traces = traces(args.quick)
     chosen = [t for t in args.traces.split(",") if t]
     unknown = set(chosen) - set(all_traces)
@@ -432,9 +438,9 @@ def main(argv=None) -> int:
     warm_up(chunk)
     plan = {}
     for name in chosen:
-        desc, make = all_traces[name]
+        desc, scale, make = all_traces[name]
         info = describe(make())
-        plan[name] = (desc, info, pool_sizes(info, fractions, chunk))
+        plan[name] = (desc, info, pool_sizes(info, fractions, scale, profile))
     total = sum(len(info.requests) * len(sizes) * len(CONFIGS) for _, info, sizes in plan.values())
     bar = tqdm(total=total, desc="replay", unit="req", file=sys.stderr, mininterval=1) if tqdm else None
     results = {}

@@ -40,9 +40,14 @@ def test_hook_is_applied_to_the_scheduler_readback():
     from sglang.srt.managers.scheduler_components import internal_state
     from sglang.srt.plugins.hook_registry import HookRegistry
 
+    from sglang_marconi.serving.two_pass_prefill import uninstall_two_pass_prefill_hook
+
     controller_cls = internal_state.SchedulerInternalStateController
     register_hooks()
-    HookRegistry.apply_hooks()
+    try:
+        HookRegistry.apply_hooks()
+    finally:  # apply_hooks() applies every registered hook: leave the scheduler's others as found
+        uninstall_two_pass_prefill_hook()
     assert getattr(controller_cls.get_internal_state, "__wrapped__", None) is not None
 
     cc, _ = served_cache()  # also sets the scheduler's global server args, which the readback reads

@@ -1,26 +1,41 @@
 """SGLang's real hybrid prefix cache on CPU: upstream LRU (Python and Rust tree cores) vs Marconi
-(our FULL/MAMBA components + admission) replaying the same traces at several pool sizes.
+(our FULL/MAMBA components + admission, alpha fixed at 0 and 1) replaying the same traces at
+several pool sizes. Prints markdown tables (docs/benchmarks.md has a run).
 
     python scripts/bench_sglang_cache.py [--quick] [--traces agent,chat,mooncake] [--json out.json]
 
+Full run ~3.5 minutes on a 2-core AMD EPYC, `--quick` ~25 s.
+
 Each request goes through the scheduler's calls on SGLang 0.5.23's own objects (the cache built by
-`tests/serving/sglang_cpu.py`, no_buffer mode, page size 1, Mamba checkpoint grid 64): match
-(`Req.init_next_round_input`, with the Mamba copy-on-write), lock, request/KV slot allocation
-(evicting as needed), prefill in chunks of `--chunk-size` tokens (`checkpoint_kv_cache` after each
-non-final chunk; Marconi ends a chunk at the branch position, `chunk_end_for_branch`), the first
-token, `checkpoint_kv_cache`, the decode KV (allocated in one call, not one per token: same memory,
-fewer eviction calls), `release_kv_cache(checkpoint=True)`. Requests run one at a time.
+`tests/serving/sglang_cpu.py`: a tiny Mamba2 hybrid, no_buffer mode, page size 1, Mamba checkpoint
+grid 64): match (`Req.init_next_round_input`, with the Mamba copy-on-write), lock, request/KV slot
+allocation (evicting as needed), prefill in chunks of `--chunk-size` tokens (`checkpoint_kv_cache`
+after each non-final chunk; Marconi ends a chunk at the branch position, `chunk_end_for_branch`),
+the first token, `checkpoint_kv_cache`, the decode KV (allocated in one call, not one per token:
+same memory, fewer eviction calls), `release_kv_cache(checkpoint=True)`. One request at a time.
 
-Timings (perf_counter_ns around each call): match = `init_next_round_input`, checkpoint = each
-`checkpoint_kv_cache`, release = `release_kv_cache`, evict = each outermost call of the cache's
-`evict_for_alloc` / `evict` (one allocation's or one slot reservation's whole eviction walk, all
-nodes it frees; made only when an allocation is short). Eviction time spent inside a match
-(copy-on-write slot), a checkpoint (Marconi's branch slot) or an allocation is counted under
-evict only and subtracted from the enclosing operation.
+Traces: `agent` = synthetic swe-agent (shared system prompt, long trajectories) at 0.1x lengths,
+`chat` = synthetic lmsys multi-turn at 0.25x, `mooncake` = the first N requests of the Mooncake
+conversation trace with each 512-token hash block mapped to 64 tokens (0.125x; block boundaries
+stay on the 64-token Mamba grid, as 512 is on it in the real trace). Pool sizes: KV tokens = a
+fraction of the trace's infinite-cache footprint; Mamba slots = SGLang's default memory split
+(`--mamba-full-memory-ratio 0.9`) of that KV pool for the real model (nemotron-h-8b: one SSM state
+= 3,162 tokens of KV), counting KV at the trace's real length (see `pool_sizes`).
 
-Per cell: token hit rate, prefill FLOPs saved (`nemotron-h-8b` profile, sum of prefill_flops(0, hit)
-over requests, the real model's FLOPs for these token counts), SSM states in the tree at the end
-per request served, median / p99 microseconds per operation, and ratios vs upstream LRU on the
+Timings (perf_counter_ns around each call, exclusive): match = `init_next_round_input`,
+checkpoint = each `checkpoint_kv_cache`, release = `release_kv_cache`, evict = each outermost call
+of the cache's `evict_for_alloc` / `evict` (one allocation's or one slot reservation's whole
+eviction walk; made only when an allocation is short). Eviction inside a match (copy-on-write
+slot), a checkpoint (Marconi's branch slot) or an allocation counts under evict only and is
+subtracted from the enclosing operation. Pool tensor operations (`TokenToKVPoolAllocator.free`,
+which concatenates the whole free list on CPU, and `MambaPool.copy_from`, the state fork) are
+subtracted from every operation and summed in "pool ops s": they are device work on a GPU, and
+here they would swamp the tree's cost. torch runs with 1 intra-op thread (2 threads on this
+2-core VM stall tiny tensor ops for milliseconds) and glibc keeps freed memory (`keep_malloc_arenas`).
+
+Per cell: token hit rate, prefill FLOPs saved (nemotron-h-8b profile, sum of prefill_flops(0, hit)
+over requests), SSM states in the tree at the end per request served, median (p99) microseconds
+per operation, tree microseconds per request (all four summed), and ratios vs upstream LRU on the
 Python tree core measured in the same run.
 """
 
@@ -216,19 +231,20 @@ class Probe:
 
 
 def build(config: str, kv_size: int, mamba_size: int, max_context_len: int):
-    from sglang_cpu import build_cache
+    """upstream: `build_cache` on either tree core; marconi: what `--radix-cache-backend marconi`
+    builds (our components + admission + cache class + runtime), alpha fixed (no tuning)."""
+    from sglang_cpu import build_cache, build_marconi_serving
 
-    from sglang_marconi.serving.admission import admission_mixin
-    from sglang_marconi.serving.eviction_components import MarconiEvictionSettings, marconi_component_overrides
+    from sglang_marconi.serving.config import MarconiServingConfig
 
     kw = dict(kv_size=kv_size, mamba_size=mamba_size, max_num_reqs=2, max_context_len=max_context_len)
     if config == "lru-py":
         return build_cache(**kw)
     if config == "lru-rust":
         return build_cache(tree_core_backend="rust", **kw)
-    settings = MarconiEvictionSettings("nemotron-h-8b", alpha={"marconi-a0": 0.0, "marconi-a1": 1.0}[config])
-    cc = build_cache(component_registry_override=marconi_component_overrides(settings, mamba_mixins=(admission_mixin(),)), **kw)
-    cc.settings = settings
+    alpha = {"marconi-a0": 0.0, "marconi-a1": 1.0}[config]
+    cc, runtime = build_marconi_serving(MarconiServingConfig(alpha=alpha), **kw)
+    cc.settings = runtime.settings
     return cc
 
 
@@ -412,7 +428,7 @@ def targets(results) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small traces, two pool sizes (~1 minute)")
+    ap.add_argument("--quick", action="store_true", help="small traces, two pool sizes (~25 s)")
     ap.add_argument("--traces", default="agent,chat,mooncake")
     ap.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens (0: no chunking)")
     ap.add_argument("--torch-threads", type=int, default=1,

@@ -189,3 +189,14 @@ def test_attention_only_model_reuses_any_cached_prefix():
     lookup = c.lookup(list(range(30)) + [99])
     assert lookup.hit_tokens == 30 and lookup.checkpoint_at is None
     assert c.ssm_states == 0 and c.used_bytes == 50
+
+
+def test_branch_checkpoint_capped_before_grid_floor(toy):
+    # A wholly cached 128-token input: the branch is capped at 127 (one token is always
+    # prefilled), then floored to the 64 grid, so the checkpoint is usable by the same input.
+    c = cache(toy, checkpoint_grid=64)
+    prompt = list(range(1, 129))
+    c.serve(prompt, [7])
+    lookup, _ = c.serve(prompt, [8])
+    assert lookup.checkpoint_at == 64
+    assert c.lookup(prompt).hit_tokens == 64

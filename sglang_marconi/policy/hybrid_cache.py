@@ -114,7 +114,7 @@ class HybridPrefixCache:
             self._touch_hit(walk, hit_node)
             return Lookup(hit, walk.overlap, None, hit_node)
         self._touch_hit(walk, hit_node)
-        return Lookup(hit_node.end, walk.overlap, self._branch_checkpoint(walk, hit_node.end), hit_node)
+        return Lookup(hit_node.end, walk.overlap, self._branch_checkpoint(walk, hit_node.end, limit), hit_node)
 
     def _touch_hit(self, walk: Walk, hit_node: Node) -> None:
         if self.eviction.refresh_matched_path:
@@ -123,14 +123,17 @@ class HybridPrefixCache:
         elif hit_node is not self.tree.root:
             self._touch(hit_node)
 
-    def _branch_checkpoint(self, walk: Walk, hit: int) -> int | None:
+    def _branch_checkpoint(self, walk: Walk, hit: int, limit: int) -> int | None:
         # Inserting the input creates a new intermediate node where it leaves an edge midway,
         # or adds a sibling under a node that has children but no state: checkpoint there.
         if walk.partial is None:
             node = walk.last
             if node is None or not node.children or node.has_state:
                 return None
-        target = walk.overlap - walk.overlap % self.checkpoint_grid
+        # Capped like a hit (an input that is wholly cached still prefills its last token), then
+        # floored to the grid, as SGLang computes its branching position.
+        branch = min(walk.overlap, limit)
+        target = branch - branch % self.checkpoint_grid
         return target if target > hit else None
 
     def admit(self, sequence, checkpoint_at: int | None = None) -> int:

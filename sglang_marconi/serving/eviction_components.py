@@ -19,7 +19,9 @@ Victim = lowest `norm(recency) + alpha * norm(flop_efficiency)`, min-max normali
 candidates of that pressure (`CandidateIndex.lowest`, i.e. `marconi_scores`, the policy core's
 code); alpha = 0 is LRU over the same candidates.
 
-Recency is SGLang's `node.last_access_time`. What SGLang refreshes: a match stamps the matched
+Recency under KV pressure is SGLang's `node.last_access_time`; under Mamba pressure it is when
+the node's SSM state was last committed or reused by a match (`state_time`), as the paper and
+upstream's own Mamba LRU refresh only the node hit. What SGLang stamps: a match stamps the matched
 node *and every ancestor* (`unified_tree_core.py:1029-1033`, decreasing by 1e-5 per level so a
 parent stays older than its child); an insert stamps every node it walks (`_touch_node`,
 `:1096`); a split stamps the suffix node (`:1524`); the MAMBA component stamps the node it
@@ -172,12 +174,27 @@ class MarconiTreeIndex:
         self._struct.add(node)
 
     def stamp(self, node) -> None:
-        """Copy `node.last_access_time` into the indexes (SGLang has just set it)."""
-        t = node.last_access_time
-        for p in (_KV, _MAMBA):
-            slot = self._slots[p].get(node.id)
-            if slot is not None:
-                self.indexes[p].last_access[slot] = t
+        """Copy `node.last_access_time` into the KV index (SGLang has just set it)."""
+        slot = self._slots[_KV].get(node.id)
+        if slot is not None:
+            self.indexes[_KV].last_access[slot] = node.last_access_time
+
+    def state_used(self, node, now: float) -> None:
+        """`node`'s SSM state was just committed or matched (at SGLang time `now`): its recency
+        under Mamba pressure."""
+        node._marconi_state_time = now
+        slot = self._slots[_MAMBA].get(node.id)
+        if slot is not None:
+            self.indexes[_MAMBA].last_access[slot] = node._marconi_state_time
+
+    @staticmethod
+    def state_time(node) -> float:
+        """Recency under Mamba pressure: when the node's state was last used (the paper refreshes
+        only the node hit; SGLang's `last_access_time` is stamped along the whole matched path)."""
+        return getattr(node, "_marconi_state_time", node.last_access_time)
+
+    def recency(self, pressure: int, node) -> float:
+        return node.last_access_time if pressure == _KV else self.state_time(node)
 
     def stamp_path(self, node) -> None:
         while node is not None:
@@ -284,9 +301,8 @@ class MarconiTreeIndex:
             self._known.pop(node.id, None)
             return
         effs = self.evaluate(node)
-        t = node.last_access_time
-        self._set(_KV, node, t, effs[_KV])
-        self._set(_MAMBA, node, t, effs[_MAMBA])
+        self._set(_KV, node, node.last_access_time, effs[_KV])
+        self._set(_MAMBA, node, self.state_time(node), effs[_MAMBA])
 
     def _set(self, p: int, node, last_access, eff: Optional[float]) -> None:
         slots, index = self._slots[p], self.indexes[p]
@@ -347,7 +363,7 @@ class MarconiTreeIndex:
             return False
         index = self.indexes[pressure]
         eff = self.evaluate(node)[pressure]
-        return eff is not None and eff == index.efficiency[slot] and index.last_access[slot] == node.last_access_time
+        return eff is not None and eff == index.efficiency[slot] and index.last_access[slot] == self.recency(pressure, node)
 
     def check(self) -> None:
         """Flush, then assert both indexes equal a from-scratch evaluation of the whole tree."""
@@ -364,7 +380,7 @@ class MarconiTreeIndex:
             effs = self.evaluate(node)
             for p in (_KV, _MAMBA):
                 if effs[p] is not None:
-                    expected[p][node.id] = (float(node.last_access_time), effs[p])
+                    expected[p][node.id] = (float(self.recency(p, node)), effs[p])
         for p in (_KV, _MAMBA):
             index = self.indexes[p]
             actual = {n.id: (float(index.last_access[i]), float(index.efficiency[i])) for i, n in enumerate(index.items)}
@@ -400,6 +416,7 @@ def _component_classes():
         ComponentType,
         EvictLayer,
         LRURefreshPhase,
+        get_and_increase_time_counter,
     )
     from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
     from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
@@ -510,6 +527,15 @@ def _component_classes():
             super().refresh_lru(phase, node, root_node)
             if phase is LRURefreshPhase.WALKDOWN:
                 self.marconi.stamp(node)  # _touch_node stamped it just before
+            elif phase is LRURefreshPhase.MATCH_END and node.component_data[self.component_type].value is not None:
+                # The state a match reuses, the only one refreshed (called before SGLang stamps the path).
+                self.marconi.state_used(node, get_and_increase_time_counter())
+
+        def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
+            super().commit_insert_component_data(
+                node=node, is_new_leaf=is_new_leaf, params=params, result=result, cache_actions=cache_actions
+            )
+            self.marconi.state_used(node, get_and_increase_time_counter())
 
         def _evict_device_start(self, request_cnt: int) -> None:
             self._marconi_delegate = self.marconi.delegating()

@@ -23,7 +23,7 @@ VOCAB = 1 << 30
 # -- an independent evaluation of the formula over SGLang's tree --------------------------------
 
 def brute_force(cc, pressure, profile=PROFILE):
-    """{node: (last_access_time, flop_efficiency)} for every candidate of `pressure`, from a walk
+    """{node: (recency, flop_efficiency)} for every candidate of `pressure`, from a walk
     of SGLang's tree (nothing read from the Marconi index)."""
     root = cc.tree_core.root_node
     ends, order, stack = {root: 0}, [], [root]
@@ -62,7 +62,8 @@ def brute_force(cc, pressure, profile=PROFILE):
             eff = profile.prefill_flops(start, end) / freed
         else:
             eff = 0.0
-        out[n] = (float(n.last_access_time), eff)
+        recency = n.last_access_time if pressure == KV_PRESSURE else getattr(n, "_marconi_state_time", n.last_access_time)
+        out[n] = (float(recency), eff)
     return out
 
 

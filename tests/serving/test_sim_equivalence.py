@@ -18,12 +18,9 @@ equal once two documented conventions are matched:
    on requests that reuse a branch (`test_exact_branch_differs_only_by_grid_rounding`).
 
 Both cap a hit at `len(input) - 1` (SGLang's `Req._compute_max_prefix_len`; the simulator's
-`lookup` limit). They differ in *where* that cap applies to the branch checkpoint: SGLang caps the
-KV match before flooring it to the grid, the simulator floors the uncapped overlap. The two only
-disagree when a request's whole input is already cached and its length is a multiple of the
-grid (an exact repeat of a 128-token prompt: SGLang checkpoints at 64 and later repeats hit 64;
-the simulator checkpoints at 128, which the same input can never use, and hits 0): see the
-strict xfail `test_repeated_grid_multiple_input`.
+`lookup` limit), and both apply that cap to the branch checkpoint before flooring it to the grid
+(an exact repeat of a 128-token prompt checkpoints at 64, and later repeats hit 64:
+`test_repeated_grid_multiple_input`).
 
 Token ids are the workloads' own (uniform in [0, 32000)); SGLang's cache does not look at a
 vocabulary, so no remapping is needed.
@@ -153,9 +150,6 @@ def test_exact_branch_differs_only_by_grid_rounding(replays, name):
         assert (diff > 0).sum() > len(diff) // 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "simulator floors the uncapped overlap to the grid: an exact repeat of a 128-token input "
-    "checkpoints at 128 (unusable, hit <= len-1) where SGLang checkpoints at 64"))
 def test_repeated_grid_multiple_input():
     cc, cache = marconi_sglang(), sim()
     prompt = list(range(1, 129))

@@ -64,7 +64,9 @@ try:
 except ImportError:  # pragma: no cover
     tqdm = None
 
-CONFIGS = ("lru-py", "lru-rust", "marconi-a0", "marconi-a1")
+# marconi-aN: alpha fixed at N; marconi-auto: tuned online (what `--marconi-alpha auto` runs);
+# marconi-evict: tuned FLOP-aware eviction with upstream's admission (`--marconi-admission off`).
+CONFIGS = ("lru-py", "lru-rust", "marconi-a0", "marconi-a1", "marconi-auto", "marconi-evict")
 OPS = ("match", "checkpoint", "release", "evict")
 MOONCAKE_BLOCK = 512
 
@@ -242,9 +244,11 @@ def build(config: str, kv_size: int, mamba_size: int, max_context_len: int):
         return build_cache(**kw)
     if config == "lru-rust":
         return build_cache(tree_core_backend="rust", **kw)
-    alpha = {"marconi-a0": 0.0, "marconi-a1": 1.0}[config]
-    cc, runtime = build_marconi_serving(MarconiServingConfig(alpha=alpha), **kw)
+    alpha = {"marconi-a0": 0.0, "marconi-a1": 1.0}.get(config)
+    config_ = MarconiServingConfig(alpha=alpha, admission=config != "marconi-evict", tune_workers=1)
+    cc, runtime = build_marconi_serving(config_, **kw)
     cc.settings = runtime.settings
+    cc.runtime = runtime
     return cc
 
 
@@ -292,7 +296,7 @@ def run_cell(config, kv_size, mamba_size, info: TraceInfo, chunk, profile, bar) 
     cc = build(config, kv_size, mamba_size, max(4096, 2 * info.longest))
     cell.backend = cc.cache._tree_core_backend
     probe = Probe(cc, cell)
-    chunk_end = chunk_end_for_branch if config.startswith("marconi") else None
+    chunk_end = chunk_end_for_branch if config.startswith("marconi") and config != "marconi-evict" else None
     gc.collect()
     t0 = time.perf_counter()
     for r in info.requests:
@@ -303,6 +307,8 @@ def run_cell(config, kv_size, mamba_size, info: TraceInfo, chunk, profile, bar) 
         cell.requests += 1
         if bar is not None:
             bar.update(1)
+    if getattr(cc, "runtime", None) is not None:
+        cc.runtime.close()  # a tuning replay still in flight
     cell.wall_s = time.perf_counter() - t0
     cell.pool_s = probe.pool_ns / 1e9
     cc.check_no_leak()

@@ -487,6 +487,19 @@ def _component_classes():
             if node.parent is not None:
                 self.marconi.changed(node.parent)
 
+        # An eviction walk runs upstream's code unchanged when Marconi delegates (HiCache,
+        # session cache, or alpha tuning chose SGLang's LRU); otherwise the subclass picks victims.
+        def _evict_device_start(self, request_cnt: int) -> None:
+            self._marconi_delegate = self.marconi.delegating()
+            if self._marconi_delegate:
+                return super()._evict_device_start(request_cnt)
+            self._evict_device_request_cnt = request_cnt
+
+        def _evict_device_end(self) -> None:
+            if self._marconi_delegate:
+                super()._evict_device_end()
+            self._marconi_delegate = False
+
     class MarconiFullComponent(_MarconiHooks, FullComponent):
         """SGLang's FULL component, evicting leaves by Marconi's utility under KV pressure."""
 
@@ -498,12 +511,6 @@ def _component_classes():
             self.marconi.stamp_path(result.best_match_node)
             return result
 
-        def _evict_device_start(self, request_cnt: int) -> None:
-            self._marconi_delegate = self.marconi.delegating()
-            if self._marconi_delegate:
-                return super()._evict_device_start(request_cnt)
-            self._evict_device_request_cnt = request_cnt
-
         def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
             if self._marconi_delegate:
                 return super()._evict_device_next_node(tracker, device_frees, host_frees, cache_actions)
@@ -514,11 +521,6 @@ def _component_classes():
                 return None
             self.marconi.report(KV_PRESSURE, "leaf", node)
             return node.id  # SGLang deletes the leaf, its Mamba state included
-
-        def _evict_device_end(self) -> None:
-            if self._marconi_delegate:
-                super()._evict_device_end()
-            self._marconi_delegate = False
 
     class MarconiMambaComponent(_MarconiHooks, MambaComponent):
         """SGLang's MAMBA component, evicting states by Marconi's utility under Mamba-slot pressure."""
@@ -536,12 +538,6 @@ def _component_classes():
                 node=node, is_new_leaf=is_new_leaf, params=params, result=result, cache_actions=cache_actions
             )
             self.marconi.state_used(node, get_and_increase_time_counter())
-
-        def _evict_device_start(self, request_cnt: int) -> None:
-            self._marconi_delegate = self.marconi.delegating()
-            if self._marconi_delegate:
-                return super()._evict_device_start(request_cnt)
-            self._evict_device_request_cnt = request_cnt
 
         def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
             if self._marconi_delegate:
@@ -573,11 +569,6 @@ def _component_classes():
                 node, self, tracker, device_frees=device_frees, host_frees=host_frees, cache_actions=cache_actions
             )
             return None
-
-        def _evict_device_end(self) -> None:
-            if self._marconi_delegate:
-                super()._evict_device_end()
-            self._marconi_delegate = False
 
     for cls in (MarconiFullComponent, MarconiMambaComponent):
         cls.__qualname__ = cls.__name__

@@ -111,7 +111,7 @@ class MarconiRuntime:
     def metrics(self, cache) -> dict:
         """The figures `/server_info` and the Prometheus gauges show."""
         f = self.figures
-        admission = getattr(cache.components.get(_mamba_type(cache)), "marconi_admission_counters", None)
+        admission = getattr(cache.components.get(_mamba_type()), "marconi_admission_counters", None)
         counters = self.settings.counters
         return {
             "marconi_token_hit_rate": f.hit_tokens / f.input_tokens if f.input_tokens else 0.0,
@@ -133,7 +133,7 @@ class MarconiRuntime:
             self.tuner.close()
 
 
-def _mamba_type(cache):
+def _mamba_type():
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
     return ComponentType.MAMBA

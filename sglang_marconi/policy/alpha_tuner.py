@@ -39,6 +39,16 @@ DEFAULT_ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(21))
 LRU = "lru"  # the tuning choice that stands for SGLang's LRU (LruLeafEviction)
 
 
+def parse_alpha_grid(text: str) -> tuple[float, ...]:
+    """'0:2:0.1' (START:STOP:STEP, inclusive) or '0,0.5,1'; ValueError if it is neither."""
+    if ":" in text:
+        start, stop, step = (float(x) for x in text.split(":"))
+        if step <= 0 or stop < start:
+            raise ValueError(f"alpha grid {text!r}: need STEP > 0 and STOP >= START")
+        return tuple(round(start + i * step, 6) for i in range(int(round((stop - start) / step)) + 1))
+    return tuple(float(x) for x in text.split(","))
+
+
 @dataclass(frozen=True)
 class TuningConfig:
     bootstrap_multiplier: float = 5.0

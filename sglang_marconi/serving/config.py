@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from sglang_marconi.policy.alpha_tuner import DEFAULT_ALPHA_GRID, OBJECTIVES, TuningConfig
+from sglang_marconi.policy.alpha_tuner import DEFAULT_ALPHA_GRID, OBJECTIVES, TuningConfig, parse_alpha_grid
 from sglang_marconi.policy.errors import MarconiError
 
 ENV_VAR = "SGLANG_MARCONI_CONFIG"
@@ -71,12 +71,7 @@ def _alpha(text: str) -> float | None:
 
 def _grid(text: str) -> tuple[float, ...]:
     try:
-        if ":" in text:
-            start, stop, step = (float(x) for x in text.split(":"))
-            if step <= 0 or stop < start:
-                raise ValueError
-            return tuple(round(start + i * step, 6) for i in range(int(round((stop - start) / step)) + 1))
-        return tuple(float(x) for x in text.split(","))
+        return parse_alpha_grid(text)
     except ValueError:
         raise _flag_error("--marconi-alpha-grid", text, "expected START:STOP:STEP or a comma list of alphas") from None
 

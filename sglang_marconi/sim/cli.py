@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from sglang_marconi.policy.alpha_tuner import TuningConfig
+from sglang_marconi.policy.alpha_tuner import TuningConfig, parse_alpha_grid
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.model_profile import load_profile
 from sglang_marconi.sim.policies import CAPACITY_FREE, build_policy, check_policy_name
@@ -27,15 +27,8 @@ DEFAULT_POLICIES = "none,vllm+,sglang+,marconi,infinite"
 
 
 def _alpha_grid(text: str) -> tuple[float, ...]:
-    """'0:2:0.1' (start:stop:step, inclusive) or '0,0.5,1'."""
     try:
-        if ":" in text:
-            start, stop, step = (float(x) for x in text.split(":"))
-            if step <= 0:
-                raise ValueError
-            count = int(round((stop - start) / step)) + 1
-            return tuple(round(start + i * step, 6) for i in range(count))
-        return tuple(float(x) for x in text.split(","))
+        return parse_alpha_grid(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"cannot read alpha grid {text!r}: use START:STOP:STEP or a comma list") from None
 

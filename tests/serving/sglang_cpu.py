@@ -242,3 +242,17 @@ def _track_decode(cc: CpuCache, req: Req) -> None:
         kv.mamba_last_track_seqlen = kv.kv_committed_len
         kv.mamba_last_track_idx = kv.mamba_next_track_idx
         kv.mamba_next_track_idx = cc.req_to_token_pool.get_mamba_ping_pong_other_idx(kv.mamba_last_track_idx)
+
+
+def result_in_spawned_process(target, timeout: float = 120):
+    """Run `target(queue)` in a fresh `spawn` process, as SGLang starts its schedulers, and
+    return what it put on the queue."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(queue,))
+    proc.start()
+    result = queue.get(timeout=timeout)
+    proc.join(timeout=60)
+    return result

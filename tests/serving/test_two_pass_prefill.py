@@ -172,14 +172,9 @@ def _hooks_applied_by_load_plugins(queue):
 
 
 def test_hooks_are_applied_in_a_spawned_process_by_load_plugins():
-    import multiprocessing
+    from sglang_cpu import result_in_spawned_process
 
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_hooks_applied_by_load_plugins, args=(queue,))
-    proc.start()
-    wrapped = queue.get(timeout=120)
-    proc.join(timeout=60)
+    wrapped = result_in_spawned_process(_hooks_applied_by_load_plugins)
     assert wrapped == ["PrefillAdder._select_prefill_admission", "PrefillAdder.add_chunked_req"]
 
 

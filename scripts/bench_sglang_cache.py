@@ -68,33 +68,35 @@ except ImportError:  # pragma: no cover
 # marconi-evict: tuned FLOP-aware eviction with upstream's admission (`--marconi-admission off`).
 CONFIGS = ("lru-py", "lru-rust", "marconi-a0", "marconi-a1", "marconi-auto", "marconi-evict")
 OPS = ("match", "checkpoint", "release", "evict")
+PER_VICTIM = "evict/victim"  # an evict call's time over the nodes it evicted (or states it dropped)
 MOONCAKE_BLOCK = 512
 
 
 # -- traces -------------------------------------------------------------------------------------
 
-def mooncake_requests(n: int, block_tokens: int):
+def mooncake_requests(n: int, block_tokens: int, tokens: str = "conversation"):
     """The first `n` requests of the Mooncake conversation trace, each 512-token hash block mapped
-    to `block_tokens` tokens (block h -> h*block_tokens + arange(block_tokens)); input and output
-    lengths scaled by block_tokens/512 (input: ceil, so the last partial block keeps >= 1 token;
-    output: round, at least 1). Outputs are unique tokens, as in `sim/traces.py`."""
+    to `block_tokens` tokens by `MooncakeTokenizer` (mode `tokens`; "conversation": a next turn
+    repeats the previous turn's tail and reply); input and output lengths scaled by
+    block_tokens/512 (input: ceil, so the last partial block keeps >= 1 token; output: round, at
+    least 1). Outputs are unique tokens, as in `sim/traces.py`."""
+    from sglang_marconi.sim.mooncake_tokens import MooncakeTokenizer
+    from sglang_marconi.sim.traces import output_tokens_for
     from sglang_marconi.sim.workload import Request
 
     scale = block_tokens / MOONCAKE_BLOCK
-    offsets = np.arange(block_tokens, dtype=np.int64)
+    tokenizer = MooncakeTokenizer(tokens, block_tokens)
     out = []
     with open(MOONCAKE) as f:
         for i, line in enumerate(f):
             if i == n:
                 break
             rec = json.loads(line)
-            ids = np.asarray(rec["hash_ids"], dtype=np.int64)
-            n_in = math.ceil(rec["input_length"] * scale)
-            tokens = (ids[:, None] * block_tokens + offsets).ravel()[:n_in]
-            n_out = max(1, round(rec["output_length"] * scale))
-            outputs = 2**40 + i * 2**20 + np.arange(n_out, dtype=np.int64)
-            sid = str(int(ids[1] if ids.size > 1 else ids[0]))
-            out.append(Request(sid, 0, rec["timestamp"] / 1000.0, tokens, outputs))
+            ids = rec["hash_ids"]
+            outputs = output_tokens_for(i, max(1, round(rec["output_length"] * scale)))
+            tokens_in = tokenizer.input_tokens(ids, math.ceil(rec["input_length"] * scale), outputs)
+            sid = str(ids[1] if len(ids) > 1 else ids[0])
+            out.append(Request(sid, 0, rec["timestamp"] / 1000.0, tokens_in, outputs))
     return out
 
 
@@ -169,13 +171,18 @@ class Cell:
     wall_s: float = 0.0
     pool_s: float = 0.0  # time in pool tensor ops (allocator.free, MambaPool.copy_from)
     samples: dict = field(default_factory=lambda: {op: [] for op in OPS})
+    victims: list = field(default_factory=list)  # nodes evicted (or states tombstoned) per evict call
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
 
     def stat(self, op):
-        x = np.asarray(self.samples[op], dtype=float) / 1e3
+        if op == PER_VICTIM:
+            t, v = np.asarray(self.samples["evict"], dtype=float), np.asarray(self.victims, dtype=float)
+            x = t[v > 0] / v[v > 0] / 1e3
+        else:
+            x = np.asarray(self.samples[op], dtype=float) / 1e3
         return (float(np.median(x)), float(np.percentile(x, 99)), len(x)) if len(x) else (math.nan, math.nan, 0)
 
 
@@ -185,9 +192,10 @@ class Probe:
     sample excludes the pool operations inside it. Pool time is summed separately."""
 
     def __init__(self, cc, cell: Cell):
-        self.cell, self.depth, self.excluded_ns, self.pool_ns = cell, 0, 0, 0
+        self.cell, self.depth, self.excluded_ns, self.pool_ns, self.victims = cell, 0, 0, 0, 0
         for name in ("evict", "evict_for_alloc"):
             setattr(cc.cache, name, self._wrap_evict(getattr(cc.cache, name)))
+        cc.cache._evict_device_next_node = self._count_victims(cc.cache._evict_device_next_node)
         cc.allocator.free = self._wrap_pool(cc.allocator.free)
         pool = cc.req_to_token_pool.mamba_pool
         pool.copy_from = self._wrap_pool(pool.copy_from)
@@ -204,11 +212,21 @@ class Probe:
 
         return timed_pool
 
+    def _count_victims(self, fn):
+        # One eviction step: a leaf to delete (node id) or one in-place mutation (a tombstone).
+        def counted_step(*args, **kwargs):
+            node_id, made_progress = fn(*args, **kwargs)
+            self.victims += node_id is not None or made_progress
+            return node_id, made_progress
+
+        return counted_step
+
     def _wrap_evict(self, fn):
         def timed_evict(*args, **kwargs):
             if self.depth:
                 return fn(*args, **kwargs)
             self.depth += 1
+            self.victims = 0
             x0 = self.excluded_ns
             t0 = time.perf_counter_ns()
             try:
@@ -217,6 +235,7 @@ class Probe:
                 dt = time.perf_counter_ns() - t0
                 self.depth -= 1
                 self.cell.samples["evict"].append(dt - (self.excluded_ns - x0))
+                self.cell.victims.append(self.victims)
                 self.excluded_ns = x0 + dt
             self.cell.evicted_tokens += result.num_tokens_evicted
             self.cell.evicted_states += result.mamba_num_evicted
@@ -372,9 +391,10 @@ def table(name, desc, info: TraceInfo, cells: list[Cell], chunk) -> str:
         f"{chunk or 'none'}.",
         "",
         "| KV tokens / Mamba slots | config | hit % | hit vs py | FLOPs saved (PFLOP) | FLOPs vs py "
-        "| states / req | match µs | checkpoint µs | release µs | evict µs (calls) "
-        "| median vs py: match / ckpt / release / evict | tree µs / req (vs py) | pool ops s | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| states / req | match µs | checkpoint µs | release µs | evict µs (calls) | victims / call "
+        "| evict µs / victim | median vs py: match / ckpt / release / evict call / evict victim "
+        "| tree µs / req (vs py) | pool ops s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {}
     expected_core = {"lru-rust": "rust"}
@@ -383,16 +403,18 @@ def table(name, desc, info: TraceInfo, cells: list[Cell], chunk) -> str:
         if c.config == "lru-py":
             base[key] = c
         b = base[key]
-        st = {op: c.stat(op) for op in OPS}
-        bst = {op: b.stat(op) for op in OPS}
-        ratios = " / ".join(ratio(st[op][0], bst[op][0]) for op in OPS)
+        st = {op: c.stat(op) for op in (*OPS, PER_VICTIM)}
+        bst = {op: b.stat(op) for op in (*OPS, PER_VICTIM)}
+        ratios = " / ".join(ratio(st[op][0], bst[op][0]) for op in (*OPS, PER_VICTIM))
+        per_call = f"{np.mean(c.victims):.1f}" if c.victims else "-"
         config = c.config if c.backend == expected_core.get(c.config, "python") else f"{c.config} (core: {c.backend}!)"
         tree, btree = tree_us_per_request(c), tree_us_per_request(b)
         lines.append(
             f"| {c.kv_size:,} / {c.mamba_size:,} | {config} | {100 * c.hit_rate:.2f} "
             f"| {ratio(c.hit_rate, b.hit_rate)} | {c.flops_saved / 1e15:.2f} | {ratio(c.flops_saved, b.flops_saved)} "
             f"| {c.states_end / c.requests:.2f} | {us(st['match'])} | {us(st['checkpoint'])} | {us(st['release'])} "
-            f"| {us(st['evict'])} ({st['evict'][2]:,}) | {ratios} | {tree:.0f} ({ratio(tree, btree)}) "
+            f"| {us(st['evict'])} ({st['evict'][2]:,}) | {per_call} | {us(st[PER_VICTIM])} | {ratios} "
+            f"| {tree:.0f} ({ratio(tree, btree)}) "
             f"| {c.pool_s:.2f} | {c.wall_s:.1f} |"
         )
     return "\n".join(lines)

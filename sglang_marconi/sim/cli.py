@@ -19,7 +19,7 @@ from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.model_profile import load_profile
 from sglang_marconi.sim.policies import CAPACITY_FREE, build_policy, check_policy_name
 from sglang_marconi.sim.replay import RunResult, replay
-from sglang_marconi.sim.traces import load_workload
+from sglang_marconi.sim.traces import MOONCAKE_TOKEN_MODES, load_workload
 from sglang_marconi.sim.units import format_bytes, parse_capacities
 
 DEFAULT_WORKLOAD = "synthetic:swe-agent"
@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", help="trace file: the Marconi authors' JSONL or a Mooncake block-hash JSONL")
     src.add_argument("--workload", help=f"synthetic:KIND[:key=value,...] (default {DEFAULT_WORKLOAD})")
+    p.add_argument("--mooncake-tokens", default="conversation", choices=MOONCAKE_TOKEN_MODES,
+                   help="how a Mooncake trace's block ids become tokens: 'conversation' (a next turn repeats "
+                        "the previous turn's tail and reply) or 'blocks' (only full blocks are shared)")
     p.add_argument("--model", default="paper-7b", help="built-in profile name or a config.json path (default paper-7b)")
     p.add_argument("--capacity", default="2GB,5GB,10GB,20GB", help="comma list, GB = 10^9 bytes, GiB = 2^30")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma list (default {DEFAULT_POLICIES}); marconi:A fixes alpha")
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace) -> list[RunResult]:
         raise MarconiError(f"--limit must be >= 1, got {args.limit}")
     capacities = parse_capacities(args.capacity)
     profile = load_profile(args.model)
-    workload = load_workload(args.trace or args.workload or DEFAULT_WORKLOAD)
+    workload = load_workload(args.trace or args.workload or DEFAULT_WORKLOAD, args.mooncake_tokens)
     n = len(workload) if args.limit is None else min(args.limit, len(workload))
     rate = args.tune_sample_rate
     if rate is None:

@@ -3,8 +3,10 @@
 Formats, detected from the fields of the first non-empty line:
 
 * Mooncake: `timestamp` (ms), `input_length`, `output_length`, `hash_ids` (one id per
-  512-token block). Block id h expands to tokens h*512 + arange(512), the last block cut so
-  the input has exactly `input_length` tokens. Output tokens are 2**40 + i*2**20 + arange(n)
+  512-token block). Tokens are rebuilt by `mooncake_tokens.MooncakeTokenizer`: block id h
+  expands to tokens h*512 + arange(512), the last block cut so the input has exactly
+  `input_length` tokens, and (mode "conversation", the default) a request that continues an
+  earlier turn starts its new blocks with that turn's partial tail and output. Output tokens are 2**40 + i*2**20 + arange(n)
   for the i-th request (arrival order), so they never collide with any input token.
   The trace has no session ids: block 0 is a system prompt shared by every request of the
   conversation trace (12,031 of 12,031), so the session is named after the first private block,
@@ -28,13 +30,14 @@ from typing import Any, Iterator
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError, TraceError
+from sglang_marconi.sim.mooncake_tokens import MODES as MOONCAKE_TOKEN_MODES
+from sglang_marconi.sim.mooncake_tokens import MooncakeTokenizer
 from sglang_marconi.sim.workload import Request, Workload
 
 BLOCK = 512
 OUTPUT_BASE = 2**40  # every output token is >= this; every expanded input token is below it
 OUTPUT_STRIDE = 2**20  # output tokens of request i: OUTPUT_BASE + i*OUTPUT_STRIDE + arange(n)
 _MAX_HASH_ID = OUTPUT_BASE // BLOCK
-_BLOCK_OFFSETS = np.arange(BLOCK, dtype=np.int64)
 
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 AUTHORS_FIELDS = ("session_id", "turn_id", "ts", "input_tokens", "output_tokens")
@@ -43,11 +46,6 @@ AUTHORS_FIELDS = ("session_id", "turn_id", "ts", "input_tokens", "output_tokens"
 def output_tokens_for(index: int, count: int) -> np.ndarray:
     """Deterministic output tokens of request `index`, disjoint from all expanded input tokens."""
     return OUTPUT_BASE + index * OUTPUT_STRIDE + np.arange(count, dtype=np.int64)
-
-
-def expand_hash_ids(hash_ids: np.ndarray, input_length: int) -> np.ndarray:
-    """Tokens of a Mooncake input: 512 per block id, cut to `input_length`."""
-    return (hash_ids[:, None] * BLOCK + _BLOCK_OFFSETS).ravel()[:input_length]
 
 
 # ---------------------------------------------------------------- field validation
@@ -135,10 +133,13 @@ def _check_file(path: Path) -> None:
 
 
 class MooncakeTrace(Workload):
-    """A Mooncake trace; hash ids stay in memory (small), tokens are expanded per request."""
+    """A Mooncake trace; hash ids stay in memory (small), tokens are rebuilt per iteration
+    (`tokens`: a `MooncakeTokenizer` mode)."""
 
-    def __init__(self, path: Path, records: list[tuple[float, int, int, np.ndarray]]):
-        self.name, self.path = path.stem, path
+    def __init__(self, path: Path, records: list[tuple[float, int, int, np.ndarray]], tokens: str = "conversation"):
+        if tokens not in MOONCAKE_TOKEN_MODES:
+            raise MarconiError(f"Mooncake token mode {tokens!r}: expected one of {list(MOONCAKE_TOKEN_MODES)}")
+        self.name, self.path, self.tokens = path.stem, path, tokens
         order = sorted(range(len(records)), key=lambda i: records[i][0])
         self._records = [records[i] for i in order]
         self._sessions = [_mooncake_session(r[3]) for r in self._records]
@@ -154,13 +155,15 @@ class MooncakeTrace(Workload):
         return list(self._sessions)
 
     def __iter__(self) -> Iterator[Request]:
+        tokenizer = MooncakeTokenizer(self.tokens, BLOCK)
         for i, (ts, in_len, out_len, ids) in enumerate(self._records):
+            outputs = output_tokens_for(i, out_len)
             yield Request(
                 session_id=self._sessions[i],
                 turn=self._turns[i],
                 arrival_s=ts / 1000.0,
-                input_tokens=expand_hash_ids(ids, in_len),
-                output_tokens=output_tokens_for(i, out_len),
+                input_tokens=tokenizer.input_tokens(ids, in_len, outputs),
+                output_tokens=outputs,
             )
 
 
@@ -228,8 +231,9 @@ def _authors_request(line: _Line, raw: bytes, index: int) -> Request:
 # ---------------------------------------------------------------- entry points
 
 
-def load_trace(path: str | Path) -> Workload:
-    """Load a Mooncake or authors'-format JSONL trace; malformed input raises TraceError."""
+def load_trace(path: str | Path, mooncake_tokens: str = "conversation") -> Workload:
+    """Load a Mooncake or authors'-format JSONL trace; malformed input raises TraceError.
+    `mooncake_tokens`: how a Mooncake trace's block ids become tokens (`MooncakeTokenizer`)."""
     path = Path(path)
     _check_file(path)
     lines = _lines(path)
@@ -243,7 +247,7 @@ def load_trace(path: str | Path) -> Workload:
         for lineno, _, raw in [first, *lines]:
             line = _Line(path, lineno)
             records.append(_mooncake_record(line, line.parse(raw)))
-        return MooncakeTrace(path, records)
+        return MooncakeTrace(path, records, mooncake_tokens)
     if keys >= set(AUTHORS_FIELDS):
         index = []
         for lineno, offset, raw in [first, *lines]:
@@ -283,10 +287,10 @@ _SYNTHETIC_PARAMS = {
 }
 
 
-def load_workload(spec: str) -> Workload:
+def load_workload(spec: str, mooncake_tokens: str = "conversation") -> Workload:
     """A CLI workload spec: a trace path, `synthetic:KIND` or `synthetic:KIND:key=value,...`."""
     if not spec.startswith("synthetic:"):
-        return load_trace(spec)
+        return load_trace(spec, mooncake_tokens)
     from sglang_marconi.sim.synthetic import generate
 
     kind, _, params = spec[len("synthetic:") :].partition(":")

@@ -80,6 +80,7 @@ KV_PRESSURE = "kv"
 MAMBA_PRESSURE = "mamba"
 _KV, _MAMBA = 0, 1
 _PRESSURES = (KV_PRESSURE, MAMBA_PRESSURE)
+_FLOPS_MEMO_SIZE = 1 << 16
 
 __all__ = [
     "EvictionCounters",
@@ -160,6 +161,7 @@ class MarconiTreeIndex:
         self._clear()
 
     def _clear(self) -> None:
+        self._flops: dict[tuple[int, int], float] = {}  # (start, end) -> prefill_flops, reused
         self.indexes = (CandidateIndex(), CandidateIndex())
         self._slots: tuple[dict[int, int], dict[int, int]] = ({}, {})
         self._known: dict[int, bool] = {}  # node id -> skippable, as of its last flush
@@ -279,7 +281,11 @@ class MarconiTreeIndex:
         if state or not self._has_mamba:
             end = self._end(node)
             start = self._anchor_end(node)
-            flops = self.settings.profile.prefill_flops(start, end)
+            flops = self._flops.get((start, end))
+            if flops is None:  # nodes are re-evaluated far more often than their span changes
+                if len(self._flops) >= _FLOPS_MEMO_SIZE:
+                    self._flops.clear()
+                flops = self._flops[start, end] = self.settings.profile.prefill_flops(start, end)
             state_bytes = self._state_bytes if state else 0
             leaf_bytes = state_bytes + self._kv_bytes * (end - start)
             leaf_eff = flops / leaf_bytes if leaf_bytes > 0 else 0.0

@@ -17,6 +17,9 @@ GAUGES = {
     "marconi_admissions_skipped_no_slot": "Branch SSM states not admitted for lack of a Mamba slot.",
     "marconi_blocked_hit_tokens": "Tokens with a full-KV hit that could not be reused for lack of an SSM state.",
     "marconi_requests": "Requests released through the Marconi cache.",
+    "marconi_two_pass_splits": "Prefill chunks ended at a branch position so its SSM state is admitted (two-pass prefill).",
+    "marconi_two_pass_skipped": "Branch positions inside a prefill chunk not split at (another request chunked, or off the page grid).",
+    "marconi_two_pass_deferred": "New chunked admissions deferred one round because a branch split left a chunked request.",
 }
 INTERNAL_STATE_TARGET = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"

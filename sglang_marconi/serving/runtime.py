@@ -113,6 +113,7 @@ class MarconiRuntime:
         f = self.figures
         admission = getattr(cache.components.get(_mamba_type()), "marconi_admission_counters", None)
         counters = self.settings.counters
+        two_pass = cache.__dict__.get("marconi_two_pass_counters")  # set by two_pass_prefill.py
         return {
             "marconi_token_hit_rate": f.hit_tokens / f.input_tokens if f.input_tokens else 0.0,
             "marconi_prefill_flops_saved": f.flops_saved,
@@ -126,6 +127,9 @@ class MarconiRuntime:
             "marconi_blocked_hit_tokens": f.blocked_tokens,
             "marconi_requests": f.requests,
             "marconi_tuning_failures": self.tuner.log.failures if self.tuner else 0,
+            "marconi_two_pass_splits": two_pass.splits + two_pass.continuation_splits if two_pass else 0,
+            "marconi_two_pass_skipped": two_pass.skipped_other_chunked + two_pass.skipped_unaligned if two_pass else 0,
+            "marconi_two_pass_deferred": two_pass.deferred_second_chunked if two_pass else 0,
         }
 
     def close(self) -> None:

@@ -303,3 +303,18 @@ def test_inactive_in_extra_buffer_mode():
     assert not two_pass_active(marked)
     assert two_pass_active(types.SimpleNamespace(marconi_settings=object(), enable_mamba_extra_buffer=False))
     assert not two_pass_active(types.SimpleNamespace(enable_mamba_extra_buffer=False))
+
+
+def test_split_counts_reach_the_metrics():
+    from sglang_cpu import build_marconi_serving
+
+    from sglang_marconi.serving.config import MarconiServingConfig
+
+    cc, runtime = build_marconi_serving(MarconiServingConfig(alpha=0.0))
+    s = Scheduler(cc)
+    for base in (5000, 6000):  # the second request branches at 960, inside its extend
+        s.submit(SYSTEM + list(range(base, base + 200)))
+        s.drain()
+    figures = runtime.metrics(cc.cache)
+    assert (figures["marconi_two_pass_splits"], figures["marconi_two_pass_skipped"]) == (1, 0)
+    assert figures["marconi_two_pass_deferred"] == 0

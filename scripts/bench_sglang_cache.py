@@ -1,10 +1,10 @@
 """SGLang's real hybrid prefix cache on CPU: upstream LRU (Python and Rust tree cores) vs Marconi
-(our FULL/MAMBA components + admission, alpha fixed at 0 and 1) replaying the same traces at
-several pool sizes. Prints markdown tables (docs/benchmarks.md has a run).
+(our FULL/MAMBA components + admission: alpha fixed at 0 and 1, tuned online, and tuned without
+our admission) replaying the same traces at several pool sizes. Prints markdown tables (docs/benchmarks.md has a run).
 
-    python scripts/bench_sglang_cache.py [--quick] [--traces agent,chat,mooncake] [--json out.json]
+    python scripts/bench_sglang_cache.py [--quick] [--traces agent,chat,mooncake,mooncake-blocks] [--json out.json]
 
-Full run ~3.5 minutes on a 2-core AMD EPYC, `--quick` ~25 s.
+Full run ~9 minutes on a 2-core AMD EPYC, `--quick` ~40 s.
 
 Each request goes through the scheduler's calls on SGLang 0.5.23's own objects (the cache built by
 `tests/serving/sglang_cpu.py`: a tiny Mamba2 hybrid, no_buffer mode, page size 1, Mamba checkpoint
@@ -17,7 +17,10 @@ same memory, fewer eviction calls), `release_kv_cache(checkpoint=True)`. One req
 Traces: `agent` = synthetic swe-agent (shared system prompt, long trajectories) at 0.1x lengths,
 `chat` = synthetic lmsys multi-turn at 0.25x, `mooncake` = the first N requests of the Mooncake
 conversation trace with each 512-token hash block mapped to 64 tokens (0.125x; block boundaries
-stay on the 64-token Mamba grid, as 512 is on it in the real trace). Pool sizes: KV tokens = a
+stay on the 64-token Mamba grid, as 512 is on it in the real trace) and a conversation's next
+turn rebuilt to repeat the previous turn's tail and reply (`sim/mooncake_tokens.py`);
+`mooncake-blocks` = the same requests with only the trace's full blocks shared (a stress case
+outside the targets: no turn can extend its predecessor there). Pool sizes: KV tokens = a
 fraction of the trace's infinite-cache footprint; Mamba slots = SGLang's default memory split
 (`--mamba-full-memory-ratio 0.9`) of that KV pool for the real model (nemotron-h-8b: one SSM state
 = 3,162 tokens of KV), counting KV at the trace's real length (see `pool_sizes`).
@@ -27,8 +30,10 @@ checkpoint = each `checkpoint_kv_cache`, release = `release_kv_cache`, evict = e
 of the cache's `evict_for_alloc` / `evict` (one allocation's or one slot reservation's whole
 eviction walk; made only when an allocation is short). Eviction inside a match (copy-on-write
 slot), a checkpoint (Marconi's branch slot) or an allocation counts under evict only and is
-subtracted from the enclosing operation. Pool tensor operations (`TokenToKVPoolAllocator.free`,
-which concatenates the whole free list on CPU, and `MambaPool.copy_from`, the state fork) are
+subtracted from the enclosing operation; "victims / call" counts the eviction steps that evicted
+a node or dropped a state, and "evict µs / victim" divides each call by them. Pool tensor
+operations (`TokenToKVPoolAllocator.free`, which concatenates the whole free list on CPU, and
+`MambaPool.copy_from`, the state fork) are
 subtracted from every operation and summed in "pool ops s": they are device work on a GPU, and
 here they would swamp the tree's cost. torch runs with 1 intra-op thread (2 threads on this
 2-core VM stall tiny tensor ops for milliseconds) and glibc keeps freed memory (`keep_malloc_arenas`).

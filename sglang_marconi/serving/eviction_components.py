@@ -45,7 +45,7 @@ A tree without a MAMBA component (attention only) counts every node as reusable 
 
 Incremental index (no tree walk per eviction): one `CandidateIndex` per pressure, kept in one
 `MarconiTreeIndex` per cache (`cache.marconi_index`). Hooks overridden (both components unless
-noted), each O(1) except the path stamp:
+noted), each O(1):
 - `redistribute_on_node_split`, `commit_insert_component_data`, `discard_deleted_session_leaf`
   (node deletion), `evict_component` (tombstone / deletion): mark the node, and the parent whose
   child count changed, *structurally* dirty;
@@ -55,7 +55,8 @@ noted), each O(1) except the path stamp:
 - `update_component_on_insert_overlap` and MAMBA `refresh_lru(WALKDOWN)`: copy the fresh
   `last_access_time` of a walked node into the index (SGLang stamps it just before);
 - FULL `finalize_match_result_in_tree_core`: runs after SGLang stamps the matched path, copies
-  the stamps of the indexed nodes on it (O(path), like SGLang's own stamping loop).
+  the matched node's stamp (O(1): the KV index holds leaves only, and every other node on the
+  path has a child).
 Lazy part: dirty nodes are re-evaluated at the next eviction step (the tree is consistent
 there, and SGLang stamps a split suffix only after the split hook returns). A structurally dirty
 node whose compressed-tree status (skippable or not) changed also re-evaluates the first
@@ -64,7 +65,10 @@ victim is re-evaluated before it is returned; if its entry was stale it is refre
 choice repeated (`counters.stale_repairs`, which the tests keep at 0).
 
 Not covered (the components delegate to upstream's walks, unchanged): HiCache host tiers and
-session radix cache, detected when a walk starts.
+session radix cache, detected when a walk starts. When alpha tuning has chosen SGLang's LRU, Mamba
+pressure runs upstream's walk too, and KV pressure takes the index's alpha = 0 victim: with
+SGLang's LRU strategy that is the same leaf (the least recently used evictable one), without
+upstream's heap of every evictable leaf built at each walk's start (O(leaves) per call).
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ MAMBA_PRESSURE = "mamba"
 _KV, _MAMBA = 0, 1
 _PRESSURES = (KV_PRESSURE, MAMBA_PRESSURE)
 _FLOPS_MEMO_SIZE = 1 << 16
+_MAX_PENDING = 1 << 12  # dirty nodes flushed while upstream's walks run
 
 __all__ = [
     "EvictionCounters",
@@ -129,7 +134,8 @@ class MarconiEvictionSettings:
         self.alpha = alpha
         self.counters = EvictionCounters()
         self.observer = observer
-        # Alpha tuning may choose SGLang's own LRU (upstream's walks, unchanged) over any alpha.
+        # Alpha tuning may choose SGLang's own LRU over any alpha: upstream's walks, except that
+        # under KV pressure the index's alpha = 0 choice stands in for the same victim.
         self.use_upstream_lru = False
 
     @property
@@ -198,11 +204,6 @@ class MarconiTreeIndex:
     def recency(self, pressure: int, node) -> float:
         return node.last_access_time if pressure == _KV else self.state_time(node)
 
-    def stamp_path(self, node) -> None:
-        while node is not None:
-            self.stamp(node)
-            node = node.parent
-
     # -- binding ---------------------------------------------------------------------------
     def _bind(self, tree_core) -> None:
         self.tree_core = tree_core
@@ -228,15 +229,29 @@ class MarconiTreeIndex:
             self._known[node.id] = self._skippable(node)
             self._refresh(node)
 
-    def delegating(self) -> bool:
-        """Whether SGLang runs features this policy does not model (then upstream's walks run)."""
+    def delegating(self, pressure: int) -> bool:
+        """Whether an eviction walk under `pressure` runs upstream's code unchanged: SGLang
+        features this policy does not model (HiCache, session cache), or alpha tuning chose
+        SGLang's LRU. Under KV pressure SGLang's LRU strategy picks the least recently used
+        evictable leaf, which is this index's alpha = 0 choice, so the index serves it (upstream
+        heapifies every evictable leaf at each walk's start)."""
         tc = self.cache.tree_core
-        if tc.enable_hicache or tc.enable_session_radix_cache or self.settings.use_upstream_lru:
+        if tc.enable_hicache or tc.enable_session_radix_cache:
             self._dirty.clear()
             self._struct.clear()
             self.root = None  # rebuild if ever used again
             return True
-        return False
+        if not self.settings.use_upstream_lru:
+            return False
+        if pressure == _KV and type(tc.eviction_strategy).__name__ == "LRUStrategy":
+            return False
+        if len(self._dirty) + len(self._struct) > _MAX_PENDING:
+            self.flush()  # keep the index current (and the pending sets small) while delegating
+        return True
+
+    def alpha(self) -> float:
+        """The alpha victims are chosen with: 0 (LRU) while tuning has chosen SGLang's LRU."""
+        return 0.0 if self.settings.use_upstream_lru else self.settings.alpha
 
     # -- the compressed tree ---------------------------------------------------------------
     def _has_state(self, node) -> bool:
@@ -355,8 +370,9 @@ class MarconiTreeIndex:
         self.flush()
         index, slots = self.indexes[pressure], self._slots[pressure]
         repaired = None
+        alpha = self.alpha()
         while len(index):
-            node = index.lowest(self.settings.alpha)
+            node = index.lowest(alpha)
             if node is repaired or self._current(pressure, node, slots[node.id]):
                 return node
             self.settings.counters.stale_repairs += 1
@@ -407,7 +423,7 @@ class MarconiTreeIndex:
             counters.evictions_fallback += 1
         observer = self.settings.observer
         if observer is not None:
-            observer(MarconiVictim(pressure, kind, node, self.settings.alpha))
+            observer(MarconiVictim(pressure, kind, node, self.alpha()))
 
 
 def marconi_index(cache) -> MarconiTreeIndex:
@@ -496,7 +512,8 @@ def _component_classes():
         # An eviction walk runs upstream's code unchanged when Marconi delegates (HiCache,
         # session cache, or alpha tuning chose SGLang's LRU); otherwise the subclass picks victims.
         def _evict_device_start(self, request_cnt: int) -> None:
-            self._marconi_delegate = self.marconi.delegating()
+            pressure = _MAMBA if self.component_type == ComponentType.MAMBA else _KV
+            self._marconi_delegate = self.marconi.delegating(pressure)
             if self._marconi_delegate:
                 return super()._evict_device_start(request_cnt)
             self._evict_device_request_cnt = request_cnt
@@ -513,8 +530,9 @@ def _component_classes():
             result = super().finalize_match_result_in_tree_core(
                 result=result, params=params, value_chunks=value_chunks, best_value_len=best_value_len
             )
-            # SGLang has just stamped best_match_node and all its ancestors.
-            self.marconi.stamp_path(result.best_match_node)
+            # SGLang has just stamped best_match_node and all its ancestors; only the node itself
+            # can be in the KV index (its ancestors have a child, so none is a leaf).
+            self.marconi.stamp(result.best_match_node)
             return result
 
         def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):

@@ -373,3 +373,22 @@ def test_importing_the_components_module_loads_no_sglang():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# -- (5) tuning's "lru" choice is SGLang's own LRU ----------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lru_choice_evicts_exactly_as_upstream(marconi_cache, upstream_cache, seed):
+    # With SGLang's LRU chosen, KV pressure is served by the index at alpha 0 and Mamba pressure
+    # by upstream's walk; over upstream's admission this must reproduce upstream hit for hit.
+    victims = []
+    sizes = dict(kv_size=2400, mamba_size=10, max_num_reqs=2)
+    ours = marconi_cache(alpha=1.0, observer=victims.append, **sizes)
+    ours.settings.use_upstream_lru = True
+    theirs = upstream_cache(**sizes)
+    hits_ours = serve(ours, Workload(seed), 80, after=lambda k: ours.cache.marconi_index.check())
+    hits_theirs = serve(theirs, Workload(seed), 80)
+    assert hits_ours == hits_theirs and sum(hits_ours) > 0
+    assert (ours.kv_ledger(), ours.mamba_ledger()) == (theirs.kv_ledger(), theirs.mamba_ledger())
+    assert victims and all(v.pressure == KV_PRESSURE and v.alpha == 0.0 for v in victims)
+    assert ours.settings.counters.stale_repairs == 0

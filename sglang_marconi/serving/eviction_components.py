@@ -276,38 +276,48 @@ class MarconiTreeIndex:
         return end
 
     def _anchor_end(self, node) -> int:
-        parent = node.parent
-        while self._skippable(parent):
-            parent = parent.parent
-        return self._end(parent)
+        parent, root = node.parent, self.root
+        if self._has_mamba:  # skip stateless single-child ancestors (`_skippable`, inlined)
+            mamba = self._mamba_type
+            while parent is not root and len(parent.children) == 1 and parent.component_data[mamba].value is None:
+                parent = parent.parent
+        else:
+            while parent is not root and len(parent.children) == 1:
+                parent = parent.parent
+        end = getattr(parent, "_marconi_end", None)
+        return self._end(parent) if end is None else end
 
     def evaluate(self, node) -> tuple[Optional[float], Optional[float]]:
         """`node`'s flop_efficiency as a candidate of (KV pressure, Mamba pressure), None where it
-        is not a candidate. A live node of the bound tree is assumed."""
+        is not a candidate. A live node of the bound tree is assumed. (Runs for every dirty node
+        at each eviction step: written flat, with locals.)"""
         leaf = node in self._leaves
-        state = self._has_state(node)
-        mamba_cand = (
-            state
-            and node.component_data[self._mamba_type].lock_ref == 0
-            and (leaf or len(node.children) == 1)
-        )
-        if not (leaf or mamba_cand):
+        if self._has_mamba:
+            data = node.component_data[self._mamba_type]
+            if data.value is None:  # no state: nothing can hit here, it only frees KV
+                return (0.0 if leaf else None), None
+            mamba_cand = data.lock_ref == 0 and (leaf or len(node.children) == 1)
+            if not (leaf or mamba_cand):
+                return None, None
+            state_bytes = self._state_bytes
+        elif not leaf:
             return None, None
-        if state or not self._has_mamba:
-            end = self._end(node)
-            start = self._anchor_end(node)
-            flops = self._flops.get((start, end))
-            if flops is None:  # nodes are re-evaluated far more often than their span changes
-                if len(self._flops) >= _FLOPS_MEMO_SIZE:
-                    self._flops.clear()
-                flops = self._flops[start, end] = self.settings.profile.prefill_flops(start, end)
-            state_bytes = self._state_bytes if state else 0
-            leaf_bytes = state_bytes + self._kv_bytes * (end - start)
-            leaf_eff = flops / leaf_bytes if leaf_bytes > 0 else 0.0
-            single_eff = flops / state_bytes if state_bytes > 0 else 0.0
         else:
-            leaf_eff = single_eff = 0.0
-        return (leaf_eff if leaf else None), ((leaf_eff if leaf else single_eff) if mamba_cand else None)
+            mamba_cand, state_bytes = False, 0
+        end = getattr(node, "_marconi_end", None)
+        if end is None:
+            end = self._end(node)
+        start = self._anchor_end(node)
+        flops = self._flops.get((start, end))
+        if flops is None:  # nodes are re-evaluated far more often than their span changes
+            if len(self._flops) >= _FLOPS_MEMO_SIZE:
+                self._flops.clear()
+            flops = self._flops[start, end] = self.settings.profile.prefill_flops(start, end)
+        if leaf:
+            leaf_bytes = state_bytes + self._kv_bytes * (end - start)
+            eff = flops / leaf_bytes if leaf_bytes > 0 else 0.0
+            return eff, (eff if mamba_cand else None)
+        return None, flops / state_bytes if state_bytes > 0 else 0.0
 
     # -- index maintenance -----------------------------------------------------------------
     def _alive(self, node) -> bool:

@@ -1,5 +1,6 @@
 """SGLang's `UnifiedRadixCache`, reporting to the Marconi runtime: the first match of each
-request (reusable prefix and full-KV hit), every eviction, and every release.
+request (reusable prefix and full-KV hit), every eviction, and every release; after each
+checkpoint and release it brings the eviction index up to date (`MarconiTreeIndex.flush`).
 
 Built lazily (`marconi_cache_class()`) so importing this module needs no SGLang.
 """
@@ -29,10 +30,23 @@ def marconi_cache_class():
                 self.marconi_runtime.on_evict(result.num_tokens_evicted, result.mamba_num_evicted)
             return result
 
+        def checkpoint(self, req, *args, **kwargs):
+            result = super().checkpoint(req, *args, **kwargs)
+            self._update_marconi_index()
+            return result
+
         def on_release(self, req, *, checkpointed):
             super().on_release(req, checkpointed=checkpointed)
+            self._update_marconi_index()
             if self.marconi_runtime is not None and checkpointed:
                 session = req.session_id or req.rid
                 self.marconi_runtime.on_release(req.rid, str(session), req.origin_input_ids, req.output_ids)
+
+        def _update_marconi_index(self):
+            # Re-evaluate the nodes this insert or release changed now, while their data is
+            # warm, rather than at the next eviction, which sits on a new request's allocation.
+            index = getattr(self, "marconi_index", None)
+            if index is not None and index.root is not None:
+                index.flush()
 
     return MarconiUnifiedRadixCache

@@ -391,11 +391,15 @@ class MarconiTreeIndex:
         return None
 
     def _current(self, pressure: int, node, slot: int) -> bool:
-        if not self._alive(node):
+        """Safety net on the chosen victim: alive, still a candidate of `pressure`, same recency.
+        (Its efficiency is not recomputed here: `check()` verifies every entry in the tests.)"""
+        if not self._alive(node) or self.indexes[pressure].last_access[slot] != self.recency(pressure, node):
             return False
-        index = self.indexes[pressure]
-        eff = self.evaluate(node)[pressure]
-        return eff is not None and eff == index.efficiency[slot] and index.last_access[slot] == self.recency(pressure, node)
+        leaf = node in self._leaves
+        if pressure == _KV:
+            return leaf
+        data = node.component_data[self._mamba_type]
+        return data.value is not None and data.lock_ref == 0 and (leaf or len(node.children) == 1)
 
     def check(self) -> None:
         """Flush, then assert both indexes equal a from-scratch evaluation of the whole tree."""

@@ -34,3 +34,12 @@ def test_remove_moves_the_last_entry_into_the_hole():
     assert index.remove(1) is None and index.items == ["n0"]
     index.update(0, 7.0, 1.0)
     assert index.lowest(2.0) == "n0" and index.last_access[0] == 7.0
+
+
+def test_exact_ties_go_to_the_older_candidate():
+    # alpha = 1: the oldest, most efficient and the newest, least efficient candidate both score 1
+    for order in ([("old", 10.0, 5.0), ("new", 20.0, 1.0)], [("new", 20.0, 1.0), ("old", 10.0, 5.0)]):
+        index = CandidateIndex()
+        for name, t, e in order:
+            index.add(name, t, e)
+        assert index.lowest(1.0) == "old"

@@ -32,6 +32,9 @@ def _minmax(values: np.ndarray) -> np.ndarray:
     return (values - lo) / span
 
 
+_TIE_BREAK = 1e-12
+
+
 class CandidateIndex:
     """Candidates with their recency and FLOP efficiency, dense in the two rows of one array."""
 
@@ -81,14 +84,16 @@ class CandidateIndex:
 
         Same ranking as `marconi_scores`, in fewer numpy calls (this runs once per evicted node):
         norm(t) + alpha * norm(e) = w . (x - lo) with w = (1/span_t, alpha/span_e), 0 for a
-        column whose span is 0."""
+        column whose span is 0. Exact ties (common: with alpha = 1 the oldest, most efficient
+        candidate and the newest, least efficient one both score 1) go to the older candidate:
+        recency's weight is raised by a relative 1e-12, far below any real score difference."""
         n = len(self.items)
         columns = self._columns[:, :n]
         if not alpha:
             return self.items[int(columns[0].argmin())]
         lo = columns.min(axis=1)
         (lo_t, lo_e), (hi_t, hi_e) = lo.tolist(), columns.max(axis=1).tolist()
-        w_t = 1.0 / (hi_t - lo_t) if hi_t > lo_t else 0.0
+        w_t = (1.0 + _TIE_BREAK) / (hi_t - lo_t) if hi_t > lo_t else 0.0
         w_e = alpha / (hi_e - lo_e) if hi_e > lo_e else 0.0
         if math.isinf(w_t) or math.isinf(w_e):  # a subnormal span: divide, as the reference does
             return self.items[int(marconi_scores(columns[0], columns[1], alpha).argmin())]

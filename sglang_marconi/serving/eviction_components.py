@@ -74,6 +74,7 @@ upstream's heap of every evictable leaf built at each walk's start (O(leaves) pe
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -86,6 +87,7 @@ _KV, _MAMBA = 0, 1
 _PRESSURES = (KV_PRESSURE, MAMBA_PRESSURE)
 _FLOPS_MEMO_SIZE = 1 << 16
 _MAX_PENDING = 1 << 12  # dirty nodes flushed while upstream's walks run
+_node_id = operator.attrgetter("id")
 
 __all__ = [
     "EvictionCounters",
@@ -372,7 +374,7 @@ class MarconiTreeIndex:
                         child = next(iter(child.children.values()))
                     todo.add(child)
             self._known[node.id] = skippable
-        for node in todo:
+        for node in sorted(todo, key=_node_id):  # a fixed order: slots, hence ties, reproducible
             self._refresh(node)
 
     def choose(self, pressure: int):

@@ -16,6 +16,10 @@ def marconi_cache_class():
 
     class MarconiUnifiedRadixCache(UnifiedRadixCache):
         marconi_runtime = None  # attached by the factory after construction
+        # Index upkeep right after each checkpoint and release (see _update_marconi_index); off
+        # with upstream's admission (`--marconi-admission off`), whose per-chunk states change
+        # the same nodes many times between evictions: upkeep at eviction time does each once.
+        marconi_eager_index_upkeep = True
 
         def match_prefix(self, params):
             result = super().match_prefix(params)
@@ -46,7 +50,7 @@ def marconi_cache_class():
             # Re-evaluate the nodes this insert or release changed now, while their data is
             # warm, rather than at the next eviction, which sits on a new request's allocation.
             index = getattr(self, "marconi_index", None)
-            if index is not None and index.root is not None:
+            if self.marconi_eager_index_upkeep and index is not None and index.root is not None:
                 index.flush()
 
     return MarconiUnifiedRadixCache

@@ -81,6 +81,7 @@ def attach_runtime(cache, settings, config):
     grid = cache.components[_mamba()].mamba_checkpoint_grid
     cache.marconi_settings = settings
     cache.marconi_config = config
+    cache.marconi_eager_index_upkeep = bool(config.admission)
     cache.marconi_runtime = MarconiRuntime(cache, settings, config, checkpoint_grid=grid)
     return cache.marconi_runtime
 

@@ -392,3 +392,21 @@ def test_lru_choice_evicts_exactly_as_upstream(marconi_cache, upstream_cache, se
     assert (ours.kv_ledger(), ours.mamba_ledger()) == (theirs.kv_ledger(), theirs.mamba_ledger())
     assert victims and all(v.pressure == KV_PRESSURE and v.alpha == 0.0 for v in victims)
     assert ours.settings.counters.stale_repairs == 0
+
+
+@pytest.mark.parametrize("admission", [True, False])
+def test_index_upkeep_after_each_release_with_marconi_admission(admission):
+    # With Marconi's admission the index is brought up to date when a request is released (off
+    # the next allocation's path); with upstream's admission it is left to the next eviction.
+    from sglang_cpu import build_marconi_serving
+
+    from sglang_marconi.serving.config import MarconiServingConfig
+
+    cc, runtime = build_marconi_serving(MarconiServingConfig(alpha=0.5, admission=admission),
+                                        kv_size=2400, mamba_size=10, max_num_reqs=2)
+    index, pending = cc.cache.marconi_index, []
+    serve(cc, Workload(0), 40, after=lambda k: pending.append(len(index._dirty) + len(index._struct)))
+    assert index.root is not None  # bound at the first eviction
+    assert (max(pending[-20:]) == 0) == admission, pending[-20:]
+    index.check()
+    assert runtime.settings.counters.stale_repairs == 0

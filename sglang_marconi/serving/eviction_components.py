@@ -374,7 +374,8 @@ class MarconiTreeIndex:
                         child = next(iter(child.children.values()))
                     todo.add(child)
             self._known[node.id] = skippable
-        for node in sorted(todo, key=_node_id):  # a fixed order: slots, hence ties, reproducible
+        # A fixed order keeps slots, hence the order among equal scores, reproducible.
+        for node in sorted(todo, key=_node_id) if len(todo) > 1 else todo:
             self._refresh(node)
 
     def choose(self, pressure: int):

@@ -57,12 +57,15 @@ noted), each O(1):
 - FULL `finalize_match_result_in_tree_core`: runs after SGLang stamps the matched path, copies
   the matched node's stamp (O(1): the KV index holds leaves only, and every other node on the
   path has a child).
-Lazy part: dirty nodes are re-evaluated at the next eviction step (the tree is consistent
-there, and SGLang stamps a split suffix only after the split hook returns). A structurally dirty
-node whose compressed-tree status (skippable or not) changed also re-evaluates the first
-non-skippable node under each of its children, whose anchor moved. As a safety net, the chosen
-victim is re-evaluated before it is returned; if its entry was stale it is refreshed and the
-choice repeated (`counters.stale_repairs`, which the tests keep at 0).
+Lazy part: dirty nodes are re-evaluated by `flush()`, at the next eviction step and, with
+Marconi's admission, right after each checkpoint and release (`serving/cache.py`), where the tree
+is consistent (SGLang stamps a split suffix only after the split hook returns), in node-id order
+so that slots, hence ties, are reproducible. A structurally dirty node whose compressed-tree
+status (skippable or not) changed also re-evaluates the first non-skippable node under each of
+its children, whose anchor moved. As a safety net, the chosen victim is checked before it is
+returned (alive, still a candidate, same recency); if not, it is refreshed and the choice
+repeated (`counters.stale_repairs`, which the tests keep at 0; `check()` compares every entry,
+efficiency included, with a from-scratch evaluation).
 
 Not covered (the components delegate to upstream's walks, unchanged): HiCache host tiers and
 session radix cache, detected when a walk starts. When alpha tuning has chosen SGLang's LRU, Mamba

@@ -178,13 +178,18 @@ class MarconiTreeIndex:
         self._known: dict[int, bool] = {}  # node id -> skippable, as of its last flush
 
     # -- hooks (cheap; may run mid-mutation, so they only record) --------------------------
+    # Nothing is recorded while the index is unbound (before the first eviction, or after
+    # HiCache / a session cache made it step aside): binding rebuilds it from the tree, and a
+    # cache that never evicts must not accumulate every node it ever touched.
     def touched(self, node) -> None:
         """Recency, lock or leaf-set membership of `node` may have changed."""
-        self._dirty.add(node)
+        if self.root is not None:
+            self._dirty.add(node)
 
     def changed(self, node) -> None:
         """`node`'s state, children or existence may have changed."""
-        self._struct.add(node)
+        if self.root is not None:
+            self._struct.add(node)
 
     def stamp(self, node) -> None:
         """Copy `node.last_access_time` into the KV index (SGLang has just set it)."""

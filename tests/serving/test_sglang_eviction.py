@@ -410,3 +410,14 @@ def test_index_upkeep_after_each_release_with_marconi_admission(admission):
     assert (max(pending[-20:]) == 0) == admission, pending[-20:]
     index.check()
     assert runtime.settings.counters.stale_repairs == 0
+
+
+def test_nothing_is_recorded_before_the_first_eviction(marconi_cache):
+    # A cache that never evicts must not hold on to every node it ever touched.
+    cc = marconi_cache(alpha=1.0, kv_size=200_000, mamba_size=400, max_num_reqs=2)
+    index = cc.cache.marconi_index
+    serve(cc, Workload(3), 40)
+    assert index.root is None and not index._dirty and not index._struct
+    cc.cache.evict(EvictParams(num_tokens=500))  # the first eviction binds the index
+    assert index.root is not None
+    index.check()

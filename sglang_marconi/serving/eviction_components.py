@@ -294,8 +294,7 @@ class MarconiTreeIndex:
         else:
             while parent is not root and len(parent.children) == 1:
                 parent = parent.parent
-        end = getattr(parent, "_marconi_end", None)
-        return self._end(parent) if end is None else end
+        return self._end(parent)
 
     def evaluate(self, node) -> tuple[Optional[float], Optional[float]]:
         """`node`'s flop_efficiency as a candidate of (KV pressure, Mamba pressure), None where it
@@ -314,9 +313,7 @@ class MarconiTreeIndex:
             return None, None
         else:
             mamba_cand, state_bytes = False, 0
-        end = getattr(node, "_marconi_end", None)
-        if end is None:
-            end = self._end(node)
+        end = self._end(node)
         start = self._anchor_end(node)
         flops = self._flops.get((start, end))
         if flops is None:  # nodes are re-evaluated far more often than their span changes

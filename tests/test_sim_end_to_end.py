@@ -1,5 +1,6 @@
 """End-to-end replays whose hit counts are checked by hand, and the CLI contract."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -78,6 +79,17 @@ def test_cli_fixed_alpha(tmp_path):
                  "--json", str(out), "--no-progress"]) == 0
     (run,) = json.loads(out.read_text())
     assert run["alpha_history"] == [[0, 0.5]]
+    assert run["choice_history"] == [[0, "0.5"]]
+
+
+def test_choice_history_tells_sglang_lru_from_alpha_zero():
+    profile = load_profile("paper-7b")
+    run = replay(hand_workload(), build_policy("marconi:0", profile, 10**12), profile, 10**12, progress=False)
+    stats = dataclasses.replace(run.stats, eviction_history=[(0, "marconi"), (2, "lru-leaves")])
+    run = dataclasses.replace(run, alpha_history=[(0, 0.0), (2, 0.0)], stats=stats)
+    assert run.choice_history() == [(0, "0"), (2, "lru")]
+    assert run.choices_used() == ["0", "lru"]
+    assert run.to_json()["choice_history"] == [[0, "0"], [2, "lru"]]
 
 
 @pytest.mark.parametrize("args, message", [

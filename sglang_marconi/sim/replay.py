@@ -40,11 +40,16 @@ class RunResult:
     modeled_ttft_p95_s: float
     per_request: dict[str, list] = field(default_factory=dict, repr=False)
 
+    def choice_history(self) -> list[tuple[int, str]]:
+        """(request index, choice) at each adoption: an alpha, or 'lru' (SGLang's LRU, which
+        `alpha_history` records as alpha 0, like FLOP-aware eviction at alpha 0)."""
+        return [(at, "lru" if name == "lru-leaves" else f"{alpha:g}")
+                for (at, alpha), (_, name) in zip(self.alpha_history, self.stats.eviction_history or [])]
+
     def choices_used(self) -> list[str]:
         """Eviction choices a run went through in order: an alpha, or 'lru' (SGLang's LRU)."""
         labels = []
-        for (_, alpha), (_, name) in zip(self.alpha_history, self.stats.eviction_history or []):
-            label = "lru" if name == "lru-leaves" else f"{alpha:g}"
+        for _, label in self.choice_history():
             if not labels or labels[-1] != label:
                 labels.append(label)
         return labels
@@ -53,6 +58,7 @@ class RunResult:
         out = asdict(self)
         out["alpha_history"] = [list(x) for x in self.alpha_history]
         out["stats"]["alpha_history"] = out["alpha_history"]
+        out["choice_history"] = [list(x) for x in self.choice_history()]
         if not with_requests:
             out.pop("per_request")
         return out

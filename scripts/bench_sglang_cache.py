@@ -189,7 +189,7 @@ class Cell:
     evicted_tokens: int = 0
     evicted_states: int = 0
     wall_s: float = 0.0
-    pool_s: float = 0.0  # time in pool tensor ops (allocator.free, MambaPool.copy_from)
+    pool_s: float = 0.0  # time in pool tensor ops (KV and state-slot frees, MambaPool.copy_from)
     samples: dict = field(default_factory=lambda: {op: [] for op in OPS})
     victims: list = field(default_factory=list)  # nodes evicted (or states tombstoned) per evict call
     evict_kinds: list = field(default_factory=list)  # per evict call: "kv" (tokens asked) or "mamba"
@@ -469,8 +469,8 @@ def table(name, desc, info: TraceInfo, cells: list[Cell], chunk) -> str:
 
 
 def targets(results) -> str:
-    """Hit rate >= upstream (both cores) in every cell; per-op median (as issued, and like for
-    like) and tree time per request <= 1.2x lru-py."""
+    """Hit rate >= upstream (both cores) in every cell; per-op median (as issued, like for like,
+    and by victim kind) and tree time per request <= 1.2x lru-py."""
     hit_miss, op_miss, tree_miss, cells, checked = [], [], [], 0, 0
     views = {LIKE_FOR_LIKE: ([], [0]), BY_VICTIM_KIND: ([], [0])}
     for name, (_, _, cells_of) in results.items():

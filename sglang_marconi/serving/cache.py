@@ -1,6 +1,6 @@
-"""SGLang's `UnifiedRadixCache`, reporting to the Marconi runtime: the first match of each
-request (reusable prefix and full-KV hit), every eviction, and every release; after each
-checkpoint and release it brings the eviction index up to date (`MarconiTreeIndex.flush`).
+"""SGLang's `UnifiedRadixCache`, reporting to the Marconi runtime: each request's latest match
+(its full-KV hit), every eviction, and every release with the prefix SGLang reports as cached
+(`req.cached_tokens`, what the response's `cached_tokens` says); after each checkpoint and release it brings the eviction index up to date (`MarconiTreeIndex.flush`).
 
 Built lazily (`marconi_cache_class()`) so importing this module needs no SGLang.
 """
@@ -25,7 +25,7 @@ def marconi_cache_class():
             result = super().match_prefix(params)
             req = getattr(params, "req", None)
             if self.marconi_runtime is not None and req is not None:
-                self.marconi_runtime.on_match(req.rid, result.device_prefix_len, result.full_kv_hit_length)
+                self.marconi_runtime.on_match(req.rid, result.full_kv_hit_length)
             return result
 
         def _evict(self, params, *args, **kwargs):
@@ -44,7 +44,8 @@ def marconi_cache_class():
             self._update_marconi_index()
             if self.marconi_runtime is not None and checkpointed:
                 session = req.session_id or req.rid
-                self.marconi_runtime.on_release(req.rid, str(session), req.origin_input_ids, req.output_ids)
+                self.marconi_runtime.on_release(req.rid, str(session), req.origin_input_ids, req.output_ids,
+                                                req.cached_tokens)
 
         def _update_marconi_index(self):
             # Re-evaluate the nodes this insert or release changed now, while their data is

@@ -69,7 +69,7 @@ class MarconiRuntime:
         self.profile = settings.profile
         self.config = config
         self.figures = ServingFigures()
-        self._matches: dict[str, tuple[int, int]] = {}  # rid -> (hit, full-KV hit) of its first match
+        self._full_kv_hits: dict[str, int] = {}  # rid -> full-KV hit of its latest match
         self.target = SGLangTuningTarget(cache, settings, checkpoint_grid)
         self.tuner = AlphaTuner(self.target, config.tuning(), blocking=False) if config.alpha is None else None
         self.cache = cache
@@ -79,8 +79,10 @@ class MarconiRuntime:
     def alpha(self) -> float:
         return 0.0 if self.settings.use_upstream_lru else self.settings.alpha
 
-    def on_match(self, rid: str, hit: int, full_kv_hit: int) -> None:
-        self._matches.setdefault(rid, (hit, full_kv_hit))
+    def on_match(self, rid: str, full_kv_hit: int) -> None:
+        # A waiting request is matched again at each scheduling round; the last match is the
+        # one its prefill used.
+        self._full_kv_hits[rid] = full_kv_hit
 
     def on_evict(self, tokens: int, states: int) -> None:
         self.figures.evicted_tokens += tokens
@@ -88,8 +90,9 @@ class MarconiRuntime:
         if tokens or states:
             self.target.evictions += 1
 
-    def on_release(self, rid: str, session_key: str, input_ids, output_ids) -> None:
-        hit, full_kv_hit = self._matches.pop(rid, (0, 0))
+    def on_release(self, rid: str, session_key: str, input_ids, output_ids, hit: int) -> None:
+        """`hit`: the prefix whose prefill was skipped, as SGLang reports it (`cached_tokens`)."""
+        full_kv_hit = self._full_kv_hits.pop(rid, 0)
         n = len(input_ids)
         f = self.figures
         f.requests += 1

@@ -169,7 +169,7 @@ def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None,
     cache, pool = cc.cache, cc.req_to_token_pool
     req = make_request(tokens, n_out)
     req.init_next_round_input(cache)  # match_prefix with Mamba copy-on-write
-    hit = req.prefix_len
+    hit = req.cached_tokens = req.prefix_len  # ScheduleBatch.prepare_for_extend's accounting
     n = len(req.full_untruncated_fill_ids)
     while True:
         end = n if chunk_size is None else min(req.prefix_len + chunk_size, n)

@@ -1,0 +1,124 @@
+"""Start and stop a real SGLang server on this CPU for tests and benchmarks.
+
+`start_server(model_dir, launcher=...)` runs `python -m sglang_marconi.launch_server` (ours) or
+`python -m sglang.launch_server` (upstream's launcher) with SGLang's CPU engine, bound to
+127.0.0.1 on a free port, in its own process group, under a hard time limit (`timeout`), and
+waits for `/health_generate`. `LiveServer.stop()` kills the process group by its PID. The CPU
+stand-ins for kernels that have no CPU build (`tests/cpu_engine/`) go on the server's PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+TESTS = Path(__file__).resolve().parents[1]
+CPU_ENGINE = TESTS / "cpu_engine"
+LAUNCHERS = {"marconi": "sglang_marconi.launch_server", "sglang": "sglang.launch_server"}
+
+# SGLang's CPU engine on a 2-core machine without a GPU: torch attention, no CUDA graphs, no
+# overlap schedule (no_buffer Mamba cache refuses it), small pools.
+CPU_FLAGS = (
+    "--device", "cpu", "--attention-backend", "torch_native",
+    "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+    "--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule",
+    "--max-running-requests", "4", "--max-total-tokens", "8192", "--max-mamba-cache-size", "24",
+    "--enable-metrics", "--log-level", "warning",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_engine_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_ENGINE), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    env.update(extra or {})
+    return env
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class LiveServer:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Kill the server's process group (launcher, tokenizer, scheduler, detokenizer) by PID."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            except ProcessLookupError:
+                return
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # stragglers SGLang's own cleanup left behind
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def start_server(model_dir: str | Path, *, launcher: str = "marconi", extra_args: tuple[str, ...] = (),
+                 log_path: str | Path, ready_timeout_s: float = 300.0, hard_limit_s: int = 3600,
+                 env: dict | None = None) -> LiveServer:
+    """Launch a server and wait until it generates; raise ServerFailed with its log tail if it
+    exits or is not ready in time (the process group is killed either way)."""
+    port = free_port()
+    argv = [
+        "timeout", "--kill-after=10", str(hard_limit_s), sys.executable, "-m", LAUNCHERS[launcher],
+        "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *extra_args,
+    ]
+    log_path = Path(log_path)
+    log = log_path.open("w")
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=cpu_engine_env(env),
+                               start_new_session=True, cwd=str(log_path.parent))
+    log.close()
+    server = LiveServer(f"http://127.0.0.1:{port}", process, log_path, argv)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServerFailed(f"server exited with {process.returncode}:\n{server.log_tail()}")
+        try:
+            if requests.get(server.url + "/health_generate", timeout=30).status_code == 200:
+                return server
+        except requests.RequestException:
+            pass
+        time.sleep(1.0)
+    server.stop()
+    raise ServerFailed(f"server not ready after {ready_timeout_s:.0f} s:\n{server.log_tail()}")

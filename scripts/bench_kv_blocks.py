@@ -179,11 +179,12 @@ def plot(rows, caps, path, title):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for key in dict.fromkeys((r["source"], r["policy"]) for r in rows):
+    for key, color in zip(dict.fromkeys((r["source"], r["policy"]) for r in rows), plt.cm.tab20.colors):
         mine = sorted((r for r in rows if (r["source"], r["policy"]) == key), key=lambda r: r["capacity_gb"])
         style = {"ours": "-", "libcachesim": ":"}.get(key[0], "--")
         label = key[1] if key[0] == "ours" else f"{key[1]} ({key[0]})"
-        ax.plot([r["capacity_gb"] for r in mine], [100 * r["token_hit_rate"] for r in mine], style, marker="o", label=label)
+        ax.plot([r["capacity_gb"] for r in mine], [100 * r["token_hit_rate"] for r in mine], style, marker="o",
+                color=color, label=label)
     ax.set_xscale("log")
     ax.set_xticks([gb for gb, _ in caps], [f"{gb:g}" for gb, _ in caps])
     ax.set_xlabel("cache capacity (GB)")

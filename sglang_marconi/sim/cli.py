@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> list[RunResult]:
     runs = []
     for policy_name in policies:
         if is_kv_policy(policy_name):
-            trace = trace or block_trace(workload, args.block_size, args.limit)
+            if trace is None:
+                trace = block_trace(workload, args.block_size, args.limit)
             for count, capacity in kv_capacities(trace, profile, capacities, blocks):
                 runs.append(replay_blocks(trace, build_block_cache(policy_name, count), profile, name=policy_name,
                                           capacity_bytes=capacity, gpu=args.gpu, progress=not args.no_progress))

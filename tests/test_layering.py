@@ -7,10 +7,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sglang_marconi"
 # layer -> packages it must never import
+# libcachesim is GPL-3.0-or-later: tests and benchmarks may use it, the Apache-2.0 package never
 FORBIDDEN = {
-    "policy": ("torch", "sglang", "sglang_marconi.sim", "sglang_marconi.serving"),
-    "sim": ("torch", "sglang", "sglang_marconi.serving"),
-    "serving": ("sglang_marconi.sim",),  # SGLang only inside functions: checked below
+    "policy": ("torch", "sglang", "sglang_marconi.sim", "sglang_marconi.serving", "libcachesim"),
+    "sim": ("torch", "sglang", "sglang_marconi.serving", "libcachesim"),
+    "serving": ("sglang_marconi.sim", "libcachesim"),  # SGLang only inside functions: checked below
 }
 
 

@@ -5,6 +5,11 @@ Stable contract (scripts depend on it):
       --policies none,vllm+,sglang+,marconi --json OUT.json [--plot OUT.png] [--alpha A] [--block-size 32]
 OUT.json holds a list of runs, each with policy, capacity_bytes, token_hit_rate, request_hit_rate,
 flops_saved, wall_seconds and alpha_history (plus more fields).
+
+KV-only block caches (`--policies kv-lru,kv-lfu,kv-fifo,kv-s3fifo:small_ratio=0.1,max_freq=3`)
+replay the trace's block hash ids; `--capacity-blocks N[,M]` sizes them in blocks instead of
+`--capacity` bytes, and their runs add capacity_blocks, block_size, total_hit_tokens,
+total_prompt_tokens, overall_hit_rate, final_cache_blocks and evictions.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from pathlib import Path
 from sglang_marconi.policy.alpha_tuner import TuningConfig, parse_alpha_grid
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.model_profile import load_profile
-from sglang_marconi.sim.policies import CAPACITY_FREE, build_policy, check_policy_name
+from sglang_marconi.sim.kv_blocks.registry import build_block_cache, is_kv_policy
+from sglang_marconi.sim.kv_blocks.replay import replay_blocks
+from sglang_marconi.sim.kv_blocks.view import BlockTrace, block_trace
+from sglang_marconi.sim.policies import CAPACITY_FREE, build_policy, check_policy_name, split_policies
 from sglang_marconi.sim.replay import RunResult, replay
 from sglang_marconi.sim.traces import MOONCAKE_TOKEN_MODES, load_workload
-from sglang_marconi.sim.units import format_bytes, parse_capacities
+from sglang_marconi.sim.units import format_bytes, parse_capacities, parse_counts
 
 DEFAULT_WORKLOAD = "synthetic:swe-agent"
 DEFAULT_POLICIES = "none,vllm+,sglang+,marconi,infinite"
@@ -52,11 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "the previous turn's tail and reply) or 'blocks' (only full blocks are shared)")
     p.add_argument("--model", default="paper-7b", help="built-in profile name or a config.json path (default paper-7b)")
     p.add_argument("--capacity", default="2GB,5GB,10GB,20GB", help="comma list, GB = 10^9 bytes, GiB = 2^30")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma list (default {DEFAULT_POLICIES}); marconi:A fixes alpha")
+    p.add_argument("--policies", default=DEFAULT_POLICIES,
+                   help=f"comma list (default {DEFAULT_POLICIES}); marconi:A fixes alpha; KV-only block caches "
+                        "kv-lru, kv-lfu, kv-fifo, kv-s3fifo[:small_ratio=0.1,max_freq=3]")
+    p.add_argument("--capacity-blocks", help="comma list of block counts for the kv-* policies (instead of --capacity)")
     p.add_argument("--json", help="write the runs here")
     p.add_argument("--plot", help="write a PNG of hit rate and FLOPs saved against capacity")
     p.add_argument("--alpha", type=float, help="fix Marconi's alpha instead of tuning it")
-    p.add_argument("--block-size", type=int, default=32, help="vLLM+ block (and checkpoint) size in tokens")
+    p.add_argument("--block-size", type=int, default=32,
+                   help="vLLM+ block (and checkpoint) size in tokens; also the kv-* block size on a trace "
+                        "without hash ids (a Mooncake trace keeps its 512)")
     p.add_argument("--checkpoint-grid", type=int, default=1, help="branch checkpoints land on multiples of this (chunked prefill)")
     p.add_argument("--bootstrap-multiplier", type=float, default=5.0)
     p.add_argument("--alpha-grid", type=_alpha_grid, default=TuningConfig.alpha_grid, help="START:STOP:STEP or comma list")
@@ -81,7 +94,7 @@ def auto_sample_rate(n_requests: int, grid_size: int, workers: int) -> float:
 
 
 def run(args: argparse.Namespace) -> list[RunResult]:
-    policies = [check_policy_name(p.strip()) for p in args.policies.split(",") if p.strip()]
+    policies = [check_policy_name(p) for p in split_policies(args.policies)]
     if not policies:
         raise MarconiError(f"--policies {args.policies!r} names no policy")
     if args.alpha is not None and args.alpha < 0:
@@ -91,6 +104,9 @@ def run(args: argparse.Namespace) -> list[RunResult]:
     if args.limit is not None and args.limit < 1:
         raise MarconiError(f"--limit must be >= 1, got {args.limit}")
     capacities = parse_capacities(args.capacity)
+    blocks = parse_counts(args.capacity_blocks, "--capacity-blocks") if args.capacity_blocks else None
+    if blocks and not any(map(is_kv_policy, policies)):
+        raise MarconiError("--capacity-blocks sizes only kv-* policies, and --policies names none")
     profile = load_profile(args.model)
     workload = load_workload(args.trace or args.workload or DEFAULT_WORKLOAD, args.mooncake_tokens)
     n = len(workload) if args.limit is None else min(args.limit, len(workload))
@@ -101,8 +117,16 @@ def run(args: argparse.Namespace) -> list[RunResult]:
         bootstrap_multiplier=args.bootstrap_multiplier, alpha_grid=args.alpha_grid, objective=args.objective,
         retune=not args.no_retune, workers=args.tune_workers, sample_rate=rate,
     )
+    trace = None
     runs = []
     for policy_name in policies:
+        if is_kv_policy(policy_name):
+            if trace is None:
+                trace = block_trace(workload, args.block_size, args.limit)
+            for count, capacity in kv_capacities(trace, profile, capacities, blocks):
+                runs.append(replay_blocks(trace, build_block_cache(policy_name, count), profile, name=policy_name,
+                                          capacity_bytes=capacity, gpu=args.gpu, progress=not args.no_progress))
+            continue
         for capacity in capacities[:1] if policy_name in CAPACITY_FREE else capacities:
             policy = build_policy(policy_name, profile, capacity, alpha=args.alpha, block_size=args.block_size,
                                   checkpoint_grid=args.checkpoint_grid, tuning=tuning)
@@ -111,10 +135,29 @@ def run(args: argparse.Namespace) -> list[RunResult]:
     return runs
 
 
+def kv_capacities(trace: BlockTrace, profile, capacities: list[int], blocks: list[int] | None) -> list[tuple[int, int]]:
+    """(blocks, bytes) per capacity of a kv-* policy: `blocks` as given (bytes: their KV on
+    `profile`), else each byte capacity holds floor(bytes / KV bytes of one block) blocks."""
+    block_bytes = profile.kv_bytes_per_token * trace.block_size
+    if blocks:
+        return [(b, b * block_bytes) for b in blocks]
+    if block_bytes <= 0:
+        raise MarconiError(f"model {profile.name} has no KV cache (0 bytes per token): size kv-* policies "
+                           "with --capacity-blocks")
+    out = []
+    for capacity in capacities:
+        if capacity < block_bytes:
+            raise MarconiError(f"capacity {format_bytes(capacity)} holds no KV block of {trace.block_size} tokens "
+                               f"({format_bytes(block_bytes)} on {profile.name})")
+        out.append((capacity // block_bytes, capacity))
+    return out
+
+
 def format_table(runs: list[RunResult]) -> str:
     ref = {(r.policy, r.capacity_bytes): r for r in runs}
     bound = next((r for r in runs if r.policy == "infinite"), None)
-    head = (f"{'policy':<18}{'capacity':>10}{'tok hit%':>9}{'req hit%':>9}{'FLOPs sv%':>10}{'x sglang+':>10}"
+    width = max([18, *(len(r.policy) + 2 for r in runs)])
+    head = (f"{'policy':<{width}}{'capacity':>10}{'tok hit%':>9}{'req hit%':>9}{'FLOPs sv%':>10}{'x sglang+':>10}"
             f"{'x vllm+':>9}{'%of inf':>8}{'states':>8}{'ev leaf/mid':>13}{'alpha':>7}{'TTFT p95*':>10}{'wall s':>8}")
     lines = [head, "-" * len(head)]
     for r in runs:
@@ -126,12 +169,32 @@ def format_table(runs: list[RunResult]) -> str:
         alpha = (r.choices_used() or [""])[-1] if r.policy.startswith("marconi") else ""
         s = r.stats
         lines.append(
-            f"{r.policy:<18}{cap:>10}{100 * r.token_hit_rate:>9.2f}{100 * r.request_hit_rate:>9.1f}"
+            f"{r.policy:<{width}}{cap:>10}{100 * r.token_hit_rate:>9.2f}{100 * r.request_hit_rate:>9.1f}"
             f"{100 * r.flops_saved_fraction:>10.2f}{ratio('sglang+'):>10}{ratio('vllm+'):>9}{share:>8}"
             f"{s.ssm_states_cached:>8}{f'{s.evictions_leaf}/{s.evictions_intermediate}':>13}{alpha:>7}"
             f"{r.modeled_ttft_p95_s:>10.3f}{r.wall_seconds:>8.2f}"
         )
     lines.append(f"* TTFT is MODELED from prefill FLOPs on {runs[0].gpu if runs else '?'} (not measured).")
+    kv = [r for r in runs if r.block_cache]
+    if kv:
+        lines += ["", format_block_table(kv, width)]
+    return "\n".join(lines)
+
+
+def format_block_table(runs: list[RunResult], width: int = 18) -> str:
+    """The kv-* runs: capacity in blocks, token totals, hit rate, final contents."""
+    head = (f"{'KV-only policy':<{width}}{'blocks':>9}{'block':>7}{'hit tokens':>14}{'prompt tokens':>15}"
+            f"{'hit%':>8}{'final blocks':>13}{'evictions':>11}{'wall s':>8}")
+    lines = [head, "-" * len(head)]
+    for r in runs:
+        b = r.block_cache
+        lines.append(f"{r.policy:<{width}}{b['capacity_blocks']:>9}{b['block_size']:>7}{b['total_hit_tokens']:>14,}"
+                     f"{b['total_prompt_tokens']:>15,}{100 * b['overall_hit_rate']:>8.2f}{b['final_cache_blocks']:>13}"
+                     f"{b['evictions']:>11}{r.wall_seconds:>8.2f}")
+    derived = [r for r in runs if r.block_cache["hashes_derived"]]
+    if derived:
+        lines.append(f"(block hash ids derived from tokens, {derived[0].block_cache['block_size']}-token blocks: "
+                     "the workload has none of its own)")
     return "\n".join(lines)
 
 

@@ -1,6 +1,12 @@
-"""Policy names the CLI and benchmarks accept, and how each is built."""
+"""Policy names the CLI and benchmarks accept, and how each is built.
+
+Hybrid policies (`POLICY_NAMES`) serve token requests (`build_policy` + `replay.replay`); KV-only
+block caches (`kv-*`, `kv_blocks.registry`) replay a trace's hash ids (`kv_blocks.replay`).
+"""
 
 from __future__ import annotations
+
+import re
 
 from sglang_marconi.policy.alpha_tuner import TuningConfig
 from sglang_marconi.policy.errors import MarconiError
@@ -9,16 +15,31 @@ from sglang_marconi.sim.baselines.hybrid_radix import marconi, sglang_plus
 from sglang_marconi.sim.baselines.infinite import InfiniteCache
 from sglang_marconi.sim.baselines.no_cache import NoCache
 from sglang_marconi.sim.baselines.vllm_plus import VllmPlusCache
+from sglang_marconi.sim.kv_blocks.registry import KV_POLICIES, is_kv_policy, parse_kv_spec
 
 POLICY_NAMES = ("none", "vllm+", "sglang+", "marconi", "infinite")
 # Policies whose result does not depend on the cache capacity: run once, not per capacity.
 CAPACITY_FREE = ("none", "infinite")
 
 
+# a comma that starts the next policy, not the next `key=value` of a parameterized one
+_POLICY_SEPARATOR = re.compile(r",(?!\s*[A-Za-z_][A-Za-z0-9_]*\s*=)")
+
+
+def split_policies(text: str) -> list[str]:
+    """`kv-lru,kv-s3fifo:small_ratio=0.2,max_freq=3,marconi:0.5` -> three policies: a comma
+    followed by `key=` continues the parameters of the policy before it."""
+    return [p.strip() for p in _POLICY_SEPARATOR.split(text) if p.strip()]
+
+
 def check_policy_name(name: str) -> str:
+    if is_kv_policy(name):
+        parse_kv_spec(name)
+        return name
     base, sep, alpha = name.partition(":")
     if base not in POLICY_NAMES or (sep and base != "marconi"):
-        raise MarconiError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)} or marconi:ALPHA")
+        raise MarconiError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}, marconi:ALPHA "
+                           f"or {', '.join(KV_POLICIES)}")
     if sep:
         try:
             check_alpha(float(alpha))

@@ -39,6 +39,9 @@ class RunResult:
     modeled_ttft_p50_s: float  # MODELED from prefill FLOPs, not measured
     modeled_ttft_p95_s: float
     per_request: dict[str, list] = field(default_factory=dict, repr=False)
+    # KV-only block-cache runs (`kv_blocks`): capacity_blocks, block_size, total_hit_tokens,
+    # total_prompt_tokens, overall_hit_rate, final_cache_blocks, evictions (top-level in the JSON)
+    block_cache: dict | None = None
 
     def choice_history(self) -> list[tuple[int, str]]:
         """(request index, choice) at each adoption: an alpha, or 'lru' (SGLang's LRU, which
@@ -61,6 +64,7 @@ class RunResult:
         out["choice_history"] = [list(x) for x in self.choice_history()]
         if not with_requests:
             out.pop("per_request")
+        out.update(out.pop("block_cache") or {})
         return out
 
 
@@ -71,8 +75,7 @@ def replay(workload: Workload, policy: Policy, profile, capacity_bytes: int, *, 
     hits = np.zeros(total, dtype=np.int64)
     overlaps = np.zeros(total, dtype=np.int64)
     states = np.zeros(total, dtype=np.int64)
-    bar = tqdm(total=total, desc=f"{policy.name} @ {capacity_bytes / 1e9:g} GB", unit="req", leave=False,
-               disable=not progress) if tqdm else None
+    bar = progress_bar(total, f"{policy.name} @ {capacity_bytes / 1e9:g} GB", progress)
     started = time.perf_counter()
     for i, request in enumerate(workload):
         if i >= total:
@@ -87,17 +90,30 @@ def replay(workload: Workload, policy: Policy, profile, capacity_bytes: int, *, 
     wall = time.perf_counter() - started
     if bar is not None:
         bar.close()
+    return summarize(policy.name, workload.name, profile, capacity_bytes, inputs, hits, policy.stats(), wall, gpu,
+                     {"overlap_tokens": overlaps.tolist(), "states_admitted": states.tolist()})
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    """A tqdm bar over `total` requests, or None (disabled, or tqdm missing)."""
+    return tqdm(total=total, desc=desc, unit="req", leave=False, disable=not enabled) if tqdm else None
+
+
+def summarize(policy: str, workload: str, profile, capacity_bytes: int, inputs: np.ndarray, hits: np.ndarray,
+              stats: PolicyStats, wall: float, gpu: str, per_request: dict[str, list],
+              block_cache: dict | None = None) -> RunResult:
+    """A `RunResult` from per-request input and hit tokens: rates, FLOPs saved, MODELED TTFT."""
+    total = int(inputs.size)
     zeros = np.zeros(total, dtype=np.int64)
     flops_total_each = profile.prefill_flops_array(zeros, inputs)
     flops_left_each = profile.prefill_flops_array(hits, inputs)
     ttft = modeled_ttft_seconds(flops_left_each, gpu) if total else np.zeros(0)
-    stats = policy.stats()
     flops_total = float(flops_total_each.sum())
     flops_saved = flops_total - float(flops_left_each.sum())
     return RunResult(
-        policy=policy.name,
+        policy=policy,
         capacity_bytes=int(capacity_bytes),
-        workload=workload.name,
+        workload=workload,
         model=profile.name,
         requests=total,
         input_tokens=int(inputs.sum()),
@@ -117,8 +133,8 @@ def replay(workload: Workload, policy: Policy, profile, capacity_bytes: int, *, 
         per_request={
             "input_tokens": inputs.tolist(),
             "hit_tokens": hits.tolist(),
-            "overlap_tokens": overlaps.tolist(),
-            "states_admitted": states.tolist(),
+            **per_request,
             "modeled_ttft_s": np.round(ttft, 6).tolist(),
         },
+        block_cache=block_cache,
     )

@@ -32,6 +32,7 @@ import numpy as np
 from sglang_marconi.policy.errors import MarconiError, TraceError
 from sglang_marconi.sim.mooncake_tokens import MODES as MOONCAKE_TOKEN_MODES
 from sglang_marconi.sim.mooncake_tokens import MooncakeTokenizer
+from sglang_marconi.sim.units import parse_params
 from sglang_marconi.sim.workload import Request, Workload
 
 BLOCK = 512
@@ -153,6 +154,10 @@ class MooncakeTrace(Workload):
 
     def session_ids(self) -> list[str]:
         return list(self._sessions)
+
+    def block_hashes(self) -> tuple[int, list[tuple[list[int], int]]]:
+        """The trace's own hash ids and input lengths, whatever `tokens` mode rebuilds tokens."""
+        return BLOCK, [(ids.tolist(), in_len) for _, in_len, _, ids in self._records]
 
     def __iter__(self) -> Iterator[Request]:
         tokenizer = MooncakeTokenizer(self.tokens, BLOCK)
@@ -294,20 +299,4 @@ def load_workload(spec: str, mooncake_tokens: str = "conversation") -> Workload:
     from sglang_marconi.sim.synthetic import generate
 
     kind, _, params = spec[len("synthetic:") :].partition(":")
-    kwargs: dict[str, Any] = {}
-    for item in filter(None, (p.strip() for p in params.split(","))):
-        key, eq, value = (s.strip() for s in item.partition("="))
-        if not eq:
-            raise MarconiError(f"workload spec {spec!r}: expected key=value, got {item!r}")
-        if key not in _SYNTHETIC_PARAMS:
-            raise MarconiError(
-                f"workload spec {spec!r}: unknown parameter {key!r}; known: {list(_SYNTHETIC_PARAMS)}"
-            )
-        try:
-            kwargs[key] = _SYNTHETIC_PARAMS[key](value)
-        except ValueError:
-            kind_name = {int: "an integer", float: "a number"}[_SYNTHETIC_PARAMS[key]]
-            raise MarconiError(
-                f"workload spec {spec!r}: parameter {key!r} needs {kind_name}, got {value!r}"
-            ) from None
-    return generate(kind, **kwargs)
+    return generate(kind, **parse_params(f"workload spec {spec!r}", params, _SYNTHETIC_PARAMS))

@@ -1,4 +1,5 @@
-"""Byte sizes as users write them: 2GB (10^9 bytes), 2GiB (2^30), 500MB, 1.5TB, or plain bytes."""
+"""Values as users write them on the command line: byte sizes (2GB = 10^9 bytes, 2GiB = 2^30,
+500MB, 1.5TB, or plain bytes), counts (`1000,5000`) and `key=value,...` parameter lists."""
 
 from __future__ import annotations
 
@@ -30,6 +31,41 @@ def parse_capacities(text: str) -> list[int]:
     if not items:
         raise MarconiError(f"no capacity given in {text!r}")
     return [parse_bytes(t) for t in items]
+
+
+def parse_counts(text: str, what: str = "capacity") -> list[int]:
+    """A comma list of positive integers, e.g. block counts `1000,5000`."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise MarconiError(f"no {what} given in {text!r}")
+    out = []
+    for item in items:
+        try:
+            value = int(item)
+        except ValueError:
+            raise MarconiError(f"cannot read {what} {item!r}: expected a whole number") from None
+        if value <= 0:
+            raise MarconiError(f"{what} {item!r} must be positive")
+        out.append(value)
+    return out
+
+
+def parse_params(what: str, text: str, schema: dict[str, type]) -> dict[str, int | float]:
+    """`key=value,...` (`text`, may be empty) read by `schema` (key -> int or float); errors name
+    `what` (e.g. "workload spec 'synthetic:lmsys:...'"), the key and the bad value."""
+    kwargs: dict[str, int | float] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if not eq:
+            raise MarconiError(f"{what}: expected key=value, got {item!r}")
+        if key not in schema:
+            raise MarconiError(f"{what}: unknown parameter {key!r}; known: {list(schema)}")
+        try:
+            kwargs[key] = schema[key](value)
+        except ValueError:
+            kind_name = {int: "an integer", float: "a number"}[schema[key]]
+            raise MarconiError(f"{what}: parameter {key!r} needs {kind_name}, got {value!r}") from None
+    return kwargs
 
 
 def format_bytes(n: float) -> str:

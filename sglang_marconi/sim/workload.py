@@ -64,6 +64,11 @@ class Workload:
         """Session id of each request, in order. Subclasses override this with a cheap version."""
         return [r.session_id for r in self]
 
+    def block_hashes(self) -> tuple[int, list[tuple[list[int], int]]] | None:
+        """For traces that carry block hash ids (Mooncake): (block size in tokens, one
+        (hash ids, input length) per request in arrival order); None for token-only workloads."""
+        return None
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}: {len(self)} requests>"
 

@@ -72,19 +72,24 @@ class _PositionSalt:
 _POSITION_SALT = _PositionSalt()
 
 
-def block_keys(tokens: np.ndarray, block_size: int) -> list[int]:
-    """Content-derived prefix keys of the full blocks of `tokens` (partial tail block ignored).
+def block_keys(tokens: np.ndarray, block_size: int, partial_tail: bool = False) -> list[int]:
+    """Content-derived prefix keys of the full blocks of `tokens` (and, with `partial_tail`, of
+    the partial last block too: its key identifies the whole of `tokens`).
 
     Key i identifies ``tokens[: (i + 1) * block_size]``; equal prefixes give equal keys.
     """
-    n_blocks = int(tokens.shape[0]) // block_size
-    if n_blocks == 0:
+    n = int(tokens.shape[0])
+    n_blocks = n // block_size
+    full = n_blocks * block_size
+    m = n if partial_tail else full
+    if m == 0:
         return []
-    m = n_blocks * block_size
     head = np.ascontiguousarray(tokens[:m], dtype=np.int64).view(np.uint64)
     mixed = head + _POSITION_SALT.get(m)  # new array: the caller's tokens stay untouched
     _fmix64_(mixed)
-    sums = mixed.reshape(n_blocks, block_size).sum(axis=1, dtype=np.uint64)
+    sums = mixed[:full].reshape(n_blocks, block_size).sum(axis=1, dtype=np.uint64)
+    if m > full:
+        sums = np.append(sums, mixed[full:].sum(dtype=np.uint64))
     return np.cumsum(sums, dtype=np.uint64).tolist()
 
 

@@ -9,9 +9,12 @@ log = logging.getLogger("sglang_marconi")
 
 GAUGES = {
     "marconi_token_hit_rate": "Share of input tokens whose prefill the Marconi cache skipped.",
+    "marconi_hit_tokens": "Input tokens whose prefill was skipped (the sum of the responses' cached_tokens).",
+    "marconi_input_tokens": "Input tokens of the requests released through the Marconi cache.",
     "marconi_prefill_flops_saved": "Prefill FLOPs saved by cache hits (model profile estimate).",
     "marconi_alpha": "Current weight of FLOP efficiency in Marconi's eviction score (0 = LRU).",
     "marconi_ssm_states_cached": "SSM states held by the radix tree.",
+    "marconi_ssm_states_admitted": "SSM states admitted into the tree (at most two per request: branch and final).",
     "marconi_evictions_leaf": "Evictions of leaves (KV and SSM state freed).",
     "marconi_evictions_single_child": "Evictions of a single-child node's SSM state (KV kept).",
     "marconi_admissions_skipped_no_slot": "Branch SSM states not admitted for lack of a Mamba slot.",

@@ -119,11 +119,16 @@ class MarconiRuntime:
         two_pass = cache.__dict__.get("marconi_two_pass_counters")  # set by two_pass_prefill.py
         return {
             "marconi_token_hit_rate": f.hit_tokens / f.input_tokens if f.input_tokens else 0.0,
+            "marconi_hit_tokens": f.hit_tokens,
+            "marconi_input_tokens": f.input_tokens,
             "marconi_prefill_flops_saved": f.flops_saved,
             "marconi_prefill_flops_saved_fraction": f.flops_saved / f.flops_total if f.flops_total else 0.0,
             "marconi_alpha": self.alpha,
             "marconi_eviction_policy": "lru" if self.settings.use_upstream_lru else "marconi",
             "marconi_ssm_states_cached": _states_in_tree(cache),
+            "marconi_ssm_states_admitted": admission.final_states_admitted + admission.branch_states_admitted
+            if admission else 0,
+            "marconi_checkpoint_grid": self.target.checkpoint_grid,
             "marconi_evictions_leaf": counters.evictions_leaf,
             "marconi_evictions_single_child": counters.evictions_single_child,
             "marconi_admissions_skipped_no_slot": admission.skipped_no_slot if admission else 0,

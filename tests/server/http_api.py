@@ -1,0 +1,59 @@
+"""What the end-to-end tests ask a live SGLang server, over its HTTP API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+TIMEOUT_S = 300
+
+
+@dataclass
+class Generation:
+    input_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]  # of each output token
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def generate(url: str, input_ids: list[int], max_new_tokens: int = 8) -> Generation:
+    """Greedy generation from token ids (text would be re-tokenised), with output logprobs."""
+    r = requests.post(url + "/generate", timeout=TIMEOUT_S, json={
+        "input_ids": list(input_ids), "return_logprob": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+    })
+    r.raise_for_status()
+    body = r.json()
+    meta = body["meta_info"]
+    return Generation(list(input_ids), body["output_ids"], [lp[0] for lp in meta["output_token_logprobs"]],
+                      meta["prompt_tokens"], meta["cached_tokens"])
+
+
+def flush_cache(url: str) -> None:
+    requests.post(url + "/flush_cache", timeout=TIMEOUT_S).raise_for_status()
+
+
+def internal_state(url: str) -> dict:
+    """The first scheduler's internal state from /server_info."""
+    r = requests.get(url + "/server_info", timeout=TIMEOUT_S)
+    r.raise_for_status()
+    return r.json()["internal_states"][0]
+
+
+def marconi_figures(url: str) -> dict:
+    return internal_state(url)["marconi"]
+
+
+def marconi_gauges(url: str) -> dict[str, float]:
+    """The `sglang:marconi_*` samples on /metrics, by figure name (`marconi_...`)."""
+    r = requests.get(url + "/metrics", timeout=TIMEOUT_S)
+    r.raise_for_status()
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name.startswith("sglang:marconi_"):
+                out[sample.name.removeprefix("sglang:")] = sample.value
+    return out

@@ -1,5 +1,5 @@
-"""Tiny hybrid models written at test time: a config, a word-level tokenizer trained here, and
-seeded random weights. No hub access.
+"""Tiny hybrid models written at test time: a config, a word-piece tokenizer built here from an
+embedded corpus, and seeded random weights. No hub access.
 
 Kinds (`write_tiny_model(kind, out_dir)`):
 - `gated-delta`: Qwen3-Next (3 gated-delta-net layers, 1 gated attention layer, 4 MoE experts);
@@ -7,19 +7,20 @@ Kinds (`write_tiny_model(kind, out_dir)`):
   (`hybrid_override_pattern`, `mamba_n_groups`) SGLang 0.5.23's config class reads;
 - `dense`: Llama (attention only), for the "no SSM layers, upstream's cache" path.
 
-Why word-level: a random model emits arbitrary token sequences. With byte-level BPE those decode
+Why whole words: a random model emits arbitrary token sequences. With byte-level BPE those decode
 to broken UTF-8 and re-tokenise differently, so text-based clients (SGLang frontend programs)
-could never hit the cache on a previous turn's output. Here every token is a whole word or
-punctuation mark and `decode` joins them with spaces, so decode -> encode round-trips exactly.
-
-Weights use a large init range so different prompts give different greedy outputs; the output rows
-of the special tokens are zeroed so greedy decoding never ends early or emits `<unk>` (whose text
-would not round-trip).
+could never hit the cache on a previous turn's output. Here the model only ever emits whole words
+(the output rows of special tokens and `##` continuation pieces are zeroed: greedy decoding never
+picks them, nor ends early), `decode` joins words with spaces, and decode -> encode round-trips
+exactly. Any other ASCII text (a benchmark's numbers, say) still tokenises, into characters and
+continuation pieces. Weights use a large init range so different prompts give different greedy
+outputs.
 """
 
 from __future__ import annotations
 
 import json
+import string
 from pathlib import Path
 
 VOCAB_SIZE = 512
@@ -51,25 +52,31 @@ client network port host process thread worker scheduler allocator pool kernel t
 score alpha recency efficiency flops bytes capacity budget ratio grid chunk split two pass speculative
 hello world the quick brown fox jumps over lazy dog please thanks sure okay yes no maybe done
 plan step goal task issue note report table plot figure chart summary detail reason cause effect fix
-read_file write_file list_dir run_tests grep edit commit diff patch review merge deploy rollback
+read write list run grep edit commit diff patch review merge deploy rollback
 code python rust numpy torch triton sglang marconi mamba attention linear gated delta net expert router
 """.split()
 
 
-def _train_tokenizer(out_dir: Path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def _tokenizer_vocab() -> dict[str, int]:
+    """Special tokens, every printable ASCII character, continuation pieces (`##x`) for lowercase
+    letters and digits, then the corpus words, then filler words up to VOCAB_SIZE."""
+    chars = string.ascii_lowercase + string.digits + string.ascii_uppercase + string.punctuation
+    entries = [*SPECIAL_TOKENS, *chars, *(f"##{c}" for c in string.ascii_lowercase + string.digits)]
+    # Only words that pre-tokenise whole (BERT splits at punctuation, `_` included).
+    entries += [w for w in dict.fromkeys(_CORPUS) if w.isalnum() and w not in entries]
+    entries += (f"w{i}" for i in range(VOCAB_SIZE - len(entries)))
+    if len(entries) != VOCAB_SIZE:
+        raise ValueError(f"tiny vocabulary has {len(entries)} entries, expected {VOCAB_SIZE}")
+    return {token: i for i, token in enumerate(entries)}
+
+
+def _build_tokenizer(out_dir: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = list(dict.fromkeys(_CORPUS))
-    # Fill the vocabulary with distinct filler words so every id the model can emit is a word.
-    filler = (f"w{i}" for i in range(VOCAB_SIZE))
-    while len(words) + len(SPECIAL_TOKENS) < VOCAB_SIZE:
-        words.append(next(filler))
-    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
-                                        min_frequency=1, show_progress=False)
-    tokenizer.train_from_iterator([" ".join(words)], trainer)
+    tokenizer = Tokenizer(models.WordPiece(_tokenizer_vocab(), unk_token="<unk>", max_input_chars_per_word=64))
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, unk_token="<unk>", pad_token=EOS,
                                    model_max_length=8192, clean_up_tokenization_spaces=False)
     # A chat template for /v1/chat/completions, in the same role words as the frontend's default.
@@ -78,8 +85,13 @@ def _train_tokenizer(out_dir: Path):
         "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
     )
     fast.save_pretrained(out_dir)
-    assert len(fast) == VOCAB_SIZE, len(fast)
     return fast
+
+
+def never_generated(tokenizer) -> list[int]:
+    """Ids whose output row is zeroed: special tokens, and continuation pieces, whose text would
+    join the word before them and so not re-tokenise to the same ids."""
+    return [i for token, i in tokenizer.get_vocab().items() if token in SPECIAL_TOKENS or token.startswith("##")]
 
 
 def _hf_config(kind: str, eos_id: int) -> dict:
@@ -133,14 +145,13 @@ def write_tiny_model(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(out_dir)
+    tokenizer = _build_tokenizer(out_dir)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     config = _hf_config(kind, eos_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_transformers_config(kind, config), dtype=torch.bfloat16)
-    with torch.no_grad():
-        for token in SPECIAL_TOKENS:  # logit 0: never the argmax among 510 random ones
-            model.lm_head.weight[tokenizer.convert_tokens_to_ids(token)] = 0
+    with torch.no_grad():  # logit 0: never the argmax among hundreds of random ones
+        model.lm_head.weight[never_generated(tokenizer)] = 0
     model.save_pretrained(out_dir)  # the checkpoint layout (transformers fuses MoE experts in memory)
     # Our own config (not transformers' rewrite): SGLang reads keys transformers 5 drops or renames.
     (out_dir / "config.json").write_text(json.dumps(config, indent=1))

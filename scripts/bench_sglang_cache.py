@@ -91,28 +91,11 @@ MOONCAKE_BLOCK = 512
 
 def mooncake_requests(n: int, block_tokens: int, tokens: str = "conversation"):
     """The first `n` requests of the Mooncake conversation trace, each 512-token hash block mapped
-    to `block_tokens` tokens by `MooncakeTokenizer` (mode `tokens`; "conversation": a next turn
-    repeats the previous turn's tail and reply); input and output lengths scaled by
-    block_tokens/512 (input: ceil, so the last partial block keeps >= 1 token; output: round, at
-    least 1). Outputs are unique tokens, as in `sim/traces.py`."""
-    from sglang_marconi.sim.mooncake_tokens import MooncakeTokenizer
-    from sglang_marconi.sim.traces import output_tokens_for
-    from sglang_marconi.sim.workload import Request
+    to `block_tokens` tokens (`MooncakeTrace.scaled`; `tokens` "conversation": a next turn repeats
+    the previous turn's tail and reply)."""
+    from sglang_marconi.sim.traces import load_trace
 
-    scale = block_tokens / MOONCAKE_BLOCK
-    tokenizer = MooncakeTokenizer(tokens, block_tokens)
-    out = []
-    with open(MOONCAKE) as f:
-        for i, line in enumerate(f):
-            if i == n:
-                break
-            rec = json.loads(line)
-            ids = rec["hash_ids"]
-            outputs = output_tokens_for(i, max(1, round(rec["output_length"] * scale)))
-            tokens_in = tokenizer.input_tokens(ids, math.ceil(rec["input_length"] * scale), outputs)
-            sid = str(ids[1] if len(ids) > 1 else ids[0])
-            out.append(Request(sid, 0, rec["timestamp"] / 1000.0, tokens_in, outputs))
-    return out
+    return list(load_trace(MOONCAKE, tokens).scaled(block_tokens, n))
 
 
 def traces(quick: bool):

@@ -160,8 +160,18 @@ class MooncakeTrace(Workload):
         return BLOCK, [(ids.tolist(), in_len) for _, in_len, _, ids in self._records]
 
     def __iter__(self) -> Iterator[Request]:
-        tokenizer = MooncakeTokenizer(self.tokens, BLOCK)
-        for i, (ts, in_len, out_len, ids) in enumerate(self._records):
+        return self.scaled(BLOCK)
+
+    def scaled(self, block_tokens: int, limit: int | None = None) -> Iterator[Request]:
+        """The requests (the first `limit`) with each 512-token hash block mapped to
+        `block_tokens` tokens: input and output lengths scaled by block_tokens/512 (input: ceil, so
+        a partial last block keeps >= 1 token; output: round, at least 1). For replays on small
+        machines; `block_tokens=512` is the trace as it is."""
+        scale = block_tokens / BLOCK
+        tokenizer = MooncakeTokenizer(self.tokens, block_tokens)
+        for i, (ts, in_len, out_len, ids) in enumerate(self._records[:limit]):
+            if block_tokens != BLOCK:
+                in_len, out_len = math.ceil(in_len * scale), max(1, round(out_len * scale))
             outputs = output_tokens_for(i, out_len)
             yield Request(
                 session_id=self._sessions[i],

@@ -95,18 +95,22 @@ class LiveServer:
 
 
 def start_server(model_dir: str | Path, *, launcher: str = "marconi", extra_args: tuple[str, ...] = (),
-                 log_path: str | Path, ready_timeout_s: float = 300.0, hard_limit_s: int = 3600,
-                 env: dict | None = None) -> LiveServer:
+                 log_path: str | Path, device: str = "cpu", ready_timeout_s: float = 300.0,
+                 hard_limit_s: int = 3600, env: dict | None = None) -> LiveServer:
     """Launch a server and wait until it generates; raise ServerFailed with its log tail if it
-    exits or is not ready in time (the process group is killed either way)."""
+    exits or is not ready in time (the process group is killed either way). `device="cpu"`:
+    SGLang's CPU engine with `CPU_FLAGS` and the kernel stand-ins; otherwise SGLang's defaults
+    for that device (metrics on). `extra_args` come last, so they override."""
     port = free_port()
+    device_args = CPU_FLAGS if device == "cpu" else ("--device", device, "--enable-metrics")
     argv = [
         "timeout", "--kill-after=10", str(hard_limit_s), sys.executable, "-m", LAUNCHERS[launcher],
-        "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *extra_args,
+        "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *device_args, *extra_args,
     ]
     log_path = Path(log_path)
     log = log_path.open("w")
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=cpu_engine_env(env),
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                               env=cpu_engine_env(env) if device == "cpu" else {**os.environ, **(env or {})},
                                start_new_session=True, cwd=str(log_path.parent))
     log.close()
     server = LiveServer(f"http://127.0.0.1:{port}", process, log_path, argv)

@@ -78,7 +78,7 @@ def _build_tokenizer(out_dir: Path):
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, unk_token="<unk>", pad_token=EOS,
-                                   model_max_length=8192, clean_up_tokenization_spaces=False)
+                                   model_max_length=131072, clean_up_tokenization_spaces=False)
     # A chat template for /v1/chat/completions, in the same role words as the frontend's default.
     fast.chat_template = (
         "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
@@ -95,7 +95,7 @@ def never_generated(tokenizer) -> list[int]:
 
 
 def _hf_config(kind: str, eos_id: int) -> dict:
-    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, max_position_embeddings=8192, bos_token_id=eos_id,
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, max_position_embeddings=131072, bos_token_id=eos_id,
                   eos_token_id=eos_id, pad_token_id=eos_id, tie_word_embeddings=False, torch_dtype="bfloat16",
                   initializer_range=0.5, rms_norm_eps=1e-6)
     if kind == "gated-delta":

@@ -126,3 +126,27 @@ def start_server(model_dir: str | Path, *, launcher: str = "marconi", extra_args
         time.sleep(1.0)
     server.stop()
     raise ServerFailed(f"server not ready after {ready_timeout_s:.0f} s:\n{server.log_tail()}")
+
+
+def main(argv=None) -> int:
+    """Serve a tiny random hybrid model on this CPU in the foreground (Ctrl-C stops it)."""
+    import argparse
+    import tempfile
+
+    from tiny_models import DIR_NAMES, KINDS, write_tiny_model
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--kind", default="gated-delta", choices=KINDS)
+    p.add_argument("--launcher", default="marconi", choices=tuple(LAUNCHERS))
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--model-dir", help="where to write the model (default: a temporary directory)")
+    args, extra = p.parse_known_args(argv)
+    model = write_tiny_model(args.kind, Path(args.model_dir or tempfile.mkdtemp()) / DIR_NAMES[args.kind])
+    argv = [sys.executable, "-m", LAUNCHERS[args.launcher], "--model-path", str(model), "--host", "127.0.0.1",
+            "--port", str(args.port), *CPU_FLAGS, *extra]
+    print(f"serving {model} on http://127.0.0.1:{args.port}: {' '.join(argv[1:])}", flush=True)
+    return subprocess.call(argv, env=cpu_engine_env())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -42,3 +42,21 @@ def test_a_model_without_ssm_layers_gets_upstreams_cache(tiny_model, launch):
         assert again.cached_tokens >= len(prompt) - 1  # upstream's radix cache reuses the prefix
     finally:
         server.stop()
+
+
+def test_upstream_cache_misses_the_shared_system_prompt(tiny_model, launch):
+    """The baseline the Marconi tests beat: upstream's default cache (no_buffer Mamba mode, as on
+    this CPU) keeps no SSM state where requests branch off a shared system prompt, so it never
+    reuses it; the same sequence hits from the third request on with Marconi (test_live_server)."""
+    import random
+
+    server = launch(tiny_model("gated-delta"), launcher="sglang")
+    try:
+        assert "marconi" not in internal_state(server.url)
+        rng = random.Random(2)
+        system = [rng.randrange(2, 512) for _ in range(150)]
+        cached = [generate(server.url, system + [rng.randrange(2, 512) for _ in range(20)]).cached_tokens
+                  for _ in range(6)]
+        assert max(cached) < 128, cached
+    finally:
+        server.stop()

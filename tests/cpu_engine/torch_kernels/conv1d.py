@@ -16,17 +16,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import PAD_SLOT_ID
-
-
-def _uses_silu(activation) -> bool:
-    return activation is True or activation in ("silu", "swish")
+from . import COMPUTE_DTYPE, PAD_SLOT_ID
 
 
 def _check_state_width(conv_states: torch.Tensor, width: int) -> None:
     if conv_states.shape[-1] != width - 1:
         raise NotImplementedError(
             f"conv state length {conv_states.shape[-1]} != kernel width - 1 = {width - 1}")
+
+
+def _convolve(window, weight, bias, activation):
+    """window [..., dim, width - 1 + steps] -> [..., dim, steps]; prefill and decode share it so
+    a token's output does not depend on which of them computed it."""
+    width = weight.shape[1]
+    y = (window.unfold(-1, width, 1) * weight.to(COMPUTE_DTYPE)[:, None, :]).sum(-1)
+    if bias is not None:
+        y = y + bias.to(COMPUTE_DTYPE)[:, None]
+    return F.silu(y) if activation is True or activation in ("silu", "swish") else y
 
 
 def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, seq_lens_cpu=None,
@@ -47,16 +53,13 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, seq_lens_cpu
     num_seqs = len(starts) - 1
     slots = cache_indices.tolist() if cache_indices is not None else list(range(num_seqs))
     continues = has_initial_state.tolist() if has_initial_state is not None else [False] * num_seqs
-    kernel = weight.float().unsqueeze(1)  # [dim, 1, width]: one filter per channel
-    bias32 = bias.float() if bias is not None else None
     for seq, slot in enumerate(slots):
         start, end = starts[seq], starts[seq + 1]
         if slot == pad_slot_id or end <= start:
             continue
-        history = conv_states[slot].float() if continues[seq] else x.new_zeros(dim, width - 1, dtype=torch.float32)
-        window = torch.cat([history, x[:, start:end].float()], dim=1)
-        y = F.conv1d(window.unsqueeze(0), kernel, bias32, groups=dim).squeeze(0)
-        out[:, start:end] = (F.silu(y) if _uses_silu(activation) else y).to(out.dtype)
+        history = conv_states[slot] if continues[seq] else conv_states.new_zeros(dim, width - 1)
+        window = torch.cat([history.to(COMPUTE_DTYPE), x[:, start:end].to(COMPUTE_DTYPE)], dim=1)
+        out[:, start:end] = _convolve(window, weight, bias, activation).to(out.dtype)
         conv_states[slot] = window[:, -(width - 1):].to(conv_states.dtype)
     return out
 
@@ -78,19 +81,14 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
         raise NotImplementedError("causal_conv1d_update stand-in: circular buffers and speculative decoding")
     single_step = x.dim() == 2
     x3 = x.unsqueeze(-1) if single_step else x  # [batch, dim, steps]
-    batch, dim, steps = x3.shape
     width = weight.shape[1]
     _check_state_width(conv_state, width)
-    slots = conv_state_indices.long() if conv_state_indices is not None else torch.arange(batch)
+    slots = conv_state_indices.long() if conv_state_indices is not None else torch.arange(x3.shape[0])
     live = slots != pad_slot_id
     out = torch.zeros_like(x3)
     if live.any():
         live_slots = slots[live]
-        window = torch.cat([conv_state[live_slots].float(), x3[live].float()], dim=2)  # [b, dim, width-1+steps]
-        taps = window.unfold(2, width, 1)  # [b, dim, steps, width]
-        y = (taps * weight.float()[None, :, None, :]).sum(-1)
-        if bias is not None:
-            y = y + bias.float()[None, :, None]
-        out[live] = (F.silu(y) if _uses_silu(activation) else y).to(out.dtype)
+        window = torch.cat([conv_state[live_slots].to(COMPUTE_DTYPE), x3[live].to(COMPUTE_DTYPE)], dim=2)
+        out[live] = _convolve(window, weight, bias, activation).to(out.dtype)
         conv_state[live_slots] = window[:, :, -(width - 1):].to(conv_state.dtype)
     return out.squeeze(-1) if single_step else out

@@ -1,4 +1,4 @@
-"""Mamba2 selective state space (SSD) scan: chunked prefill and single-step decode.
+"""Mamba2 selective state space (SSD) scan: prefill and decode.
 
 Replaces SGLang's Triton `mamba_chunk_scan_combined`
 (`sglang.kernels.ops.mamba.triton_ops.ssd_combined`) and `selective_state_update`
@@ -8,8 +8,7 @@ Recurrence, per head h (heads share B/C within a group: head h reads group h // 
     dt_t = clamp(softplus(dt_raw_t + dt_bias), dt_limit)        (softplus when dt_softplus)
     S_t  = exp(dt_t * A) * S_{t-1} + dt_t * x_t B_t^T            S: [headdim, dstate]
     y_t  = S_t C_t + D * x_t
-Prefill evaluates it in chunks (the SSD form: quadratic inside a chunk, state passing between
-chunks); decode applies it one token at a time.
+Prefill and decode advance S with the same per-token arithmetic (see the package docstring).
 """
 
 from __future__ import annotations
@@ -17,13 +16,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import PAD_SLOT_ID
+from . import COMPUTE_DTYPE, PAD_SLOT_ID, round_to_state_precision
+
+TOKEN_BLOCK = 256  # prefill precomputes per-token terms this many tokens at a time (bounds memory)
 
 
 def _discretised_dt(dt, dt_bias, dt_softplus, dt_limit=(0.0, float("inf"))):
-    dt = dt.float()
+    dt = dt.to(COMPUTE_DTYPE)
     if dt_bias is not None:
-        dt = dt + dt_bias.float()
+        dt = dt + dt_bias.to(COMPUTE_DTYPE)
     if dt_softplus:
         dt = F.softplus(dt, threshold=20.0)
     return dt.clamp(min=dt_limit[0], max=dt_limit[1])
@@ -31,82 +32,43 @@ def _discretised_dt(dt, dt_bias, dt_softplus, dt_limit=(0.0, float("inf"))):
 
 def _heads_from_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[..., G, N] -> [..., H, N]: each group's B (or C) serves H // G consecutive heads."""
-    return t.float().repeat_interleave(num_heads // t.shape[-2], dim=-2)
+    return t.to(COMPUTE_DTYPE).repeat_interleave(num_heads // t.shape[-2], dim=-2)
 
 
-def _segments(seq_bounds, chunk_size):
-    """Split every sequence [start, end) at multiples of chunk_size of the flat token index (the
-    kernel's chunk grid): yields (seq, seg_start, seg_end) in token order."""
-    for seq, (start, end) in enumerate(seq_bounds):
-        pos = start
-        while pos < end:
-            stop = min(end, (pos // chunk_size + 1) * chunk_size)
-            yield seq, pos, stop
-            pos = stop
+def _token_terms(x, dt, A, B):
+    """Per-token decay exp(dt A) and input dt x B^T, each [..., H, P, N] (elementwise, so the
+    same whether computed for one token or many). x, dt [..., H, P]; A [H, P, N]; B [..., H, N]."""
+    return torch.exp(dt[..., None] * A), (dt * x)[..., None] * B[..., None, :]
 
 
-def ssd_scan_varlen(x, dt, A, B, C, seq_bounds, initial_states, chunk_size):
-    """The chunked scan over sequences laid back to back (float32 in, float32 out).
+def _advance(state, decay, drive):
+    return round_to_state_precision(state * decay + drive)
 
-    x [T, H, P]; dt [T, H] (already discretised); A [H]; B, C [T, H, N] (per head);
-    seq_bounds: [(start, end)] per sequence; initial_states [num_seqs, H, P, N] or None (zeros).
-    Returns y [T, H, P] (without the D skip term), final_states [num_seqs, H, P, N] and
-    grid_states [ceil(T / chunk_size), H, P, N]: entry c is the state entering grid chunk c, i.e.
-    after token c * chunk_size - 1 within its sequence (entry 0: sequence 0's initial state).
-    """
-    T, H, P = x.shape
-    N = B.shape[-1]
-    segs = list(_segments(seq_bounds, chunk_size))
-    num_seqs = len(seq_bounds)
-    zeros = x.new_zeros(H, P, N)
-    init = [initial_states[s] if initial_states is not None else zeros for s in range(num_seqs)]
-    final_states = torch.stack(init) if num_seqs else x.new_zeros(0, H, P, N)
-    num_grid = -(-T // chunk_size)
-    grid_states = x.new_zeros(num_grid, H, P, N)
-    if num_grid:
-        grid_states[0] = init[0] if num_seqs else zeros
-    y = x.new_zeros(T, H, P)
-    if not segs:
-        return y, final_states, grid_states
 
-    # Gather segments into a padded [S, L] layout; padding has dt = 0 (no decay, no input).
-    L = chunk_size
-    offsets = torch.arange(L)
-    seg_start = torch.tensor([s for _, s, _ in segs])
-    seg_len = torch.tensor([e - s for _, s, e in segs])
-    valid = offsets[None, :] < seg_len[:, None]  # [S, L]
-    token = torch.where(valid, seg_start[:, None] + offsets[None, :], 0)
-    mask = valid.float()
-    xs = x[token] * mask[..., None, None]  # [S, L, H, P]
-    dts = dt[token] * mask[..., None]  # [S, L, H]
-    Bs, Cs = B[token], C[token]  # [S, L, H, N]
+def _readout(states, C, x, D):
+    """y = S C (+ D x): states [..., H, P, N]; C [..., H, N]; x [..., H, P]; D [H, P] or None."""
+    y = (states * C[..., None, :]).sum(-1)
+    return y if D is None else y + x * D
 
-    cum = torch.cumsum(dts * A.float(), dim=1)  # [S, L, H] log-decay from segment start
-    total = cum[:, -1]  # [S, H]
-    causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
-    gap = cum[:, :, None, :] - cum[:, None, :, :]  # [S, i, j, H]: log-decay from j to i
-    decay = torch.exp(torch.where(causal[None, :, :, None], gap, float("-inf")))
-    scores = torch.einsum("sihn,sjhn->sijh", Cs, Bs) * decay * dts[:, None, :, :]
-    y_local = torch.einsum("sijh,sjhp->sihp", scores, xs)
-    to_end = torch.exp(total[:, None, :] - cum) * dts  # [S, L, H]
-    local_states = torch.einsum("sjh,sjhp,sjhn->shpn", to_end, xs, Bs)
 
-    # Pass states along each sequence's segments.
-    entering = []
-    state = None
-    for idx, (seq, start, stop) in enumerate(segs):
-        if start == seq_bounds[seq][0]:
-            state = init[seq]
-        entering.append(state)
-        state = torch.exp(total[idx])[:, None, None] * state + local_states[idx]
-        if stop == seq_bounds[seq][1]:
-            final_states[seq] = state
-        if stop % chunk_size == 0 and stop // chunk_size < num_grid:
-            grid_states[stop // chunk_size] = state
-    entering = torch.stack(entering)  # [S, H, P, N]
-    y_carry = torch.einsum("sihn,shpn->sihp", Cs, entering) * torch.exp(cum)[..., None]
-    y[token[valid]] = (y_local + y_carry)[valid]
-    return y, final_states, grid_states
+def ssd_scan_sequence(x, dt, A, B, C, D, state, chunk_size, first_token=0, grid_states=None):
+    """One sequence, token by token (float64): x, dt [L, H, P]; A [H, P, N]; B, C [L, H, N];
+    D [H, P] or None; state [H, P, N] (the entering state). Returns y [L, H, P] and the final
+    state. The sequence's tokens sit at flat positions first_token + t; when grid_states
+    ([nchunks, H, P, N]) is given, entry c receives the state after flat token c * chunk_size - 1."""
+    L = x.shape[0]
+    y = torch.empty(x.shape, dtype=COMPUTE_DTYPE)
+    for block in range(0, L, TOKEN_BLOCK):
+        stop = min(L, block + TOKEN_BLOCK)
+        decay, drive = _token_terms(x[block:stop], dt[block:stop], A, B[block:stop])
+        states = torch.empty(decay.shape, dtype=COMPUTE_DTYPE)
+        for t in range(stop - block):
+            state = states[t] = _advance(state, decay[t], drive[t])
+            position = first_token + block + t + 1
+            if grid_states is not None and position % chunk_size == 0 and position // chunk_size < len(grid_states):
+                grid_states[position // chunk_size] = state
+        y[block:stop] = _readout(states, C[block:stop], x[block:stop], D)
+    return y, state
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
@@ -133,34 +95,39 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if not return_varlen_states:
         cu_seqlens = None
     batch, seqlen, H, P = x.shape
-    dts = _discretised_dt(dt, dt_bias, dt_softplus, dt_limit)
+    N = B.shape[-1]
+    dts = _discretised_dt(dt, dt_bias, dt_softplus, dt_limit)[..., None].expand(-1, -1, -1, P)
     Bh, Ch = _heads_from_groups(B, H), _heads_from_groups(C, H)
+    A_full = A.to(COMPUTE_DTYPE)[:, None, None].expand(H, P, N)
+    D_full = None if D is None else (D if D.dim() == 2 else D[:, None]).to(COMPUTE_DTYPE).expand(H, P)
     out_dtype = state_dtype if state_dtype is not None else C.dtype
     if out is None:
         out = torch.empty_like(x)
-    grid, final, varlen = [], [], None
-    for row in range(batch):
-        if cu_seqlens is not None:
-            bounds = cu_seqlens.tolist()
-            seq_bounds = list(zip(bounds[:-1], bounds[1:]))
-            init = initial_states
-        else:
-            seq_bounds = [(0, seqlen)]
-            init = initial_states[row:row + 1] if initial_states is not None else None
-        y, finals, grid_states = ssd_scan_varlen(
-            x[row].float(), dts[row], A, Bh[row], Ch[row], seq_bounds,
-            init.float() if init is not None else None, chunk_size)
-        if D is not None:
-            skip = D.float() if D.dim() == 2 else D.float()[:, None]
-            y = y + x[row].float() * skip
-        out[row] = y.to(out.dtype)
-        grid.append(grid_states)
-        # The flat stream's final state is the last chunk's: its sequence's end state.
-        final.append(finals[-1])
-        if cu_seqlens is not None:
-            varlen = finals.to(out_dtype)
-    states = torch.stack(grid).to(out_dtype)
-    final_states = torch.stack(final).to(out_dtype)
+    num_chunks = -(-seqlen // chunk_size)
+    states = torch.zeros(batch, num_chunks, H, P, N, dtype=COMPUTE_DTYPE)
+    final_states = torch.zeros(batch, H, P, N, dtype=COMPUTE_DTYPE)
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        rows = [list(zip(bounds[:-1], bounds[1:]))]  # batch is 1: every sequence in row 0
+    else:
+        rows = [[(0, seqlen)] for _ in range(batch)]
+    varlen = torch.zeros(sum(len(r) for r in rows), H, P, N, dtype=COMPUTE_DTYPE)
+    seq = 0
+    for row, seq_bounds in enumerate(rows):
+        xs = x[row].to(COMPUTE_DTYPE)
+        for start, end in seq_bounds:
+            init = initial_states[seq if cu_seqlens is not None else row] if initial_states is not None else None
+            state = init.to(COMPUTE_DTYPE) if init is not None else torch.zeros(H, P, N, dtype=COMPUTE_DTYPE)
+            if start == 0 and num_chunks:
+                states[row, 0] = state  # the grid's first entry: the stream's entering state
+            y, state = ssd_scan_sequence(xs[start:end], dts[row, start:end], A_full, Bh[row, start:end],
+                                         Ch[row, start:end], D_full, state, chunk_size, start, states[row])
+            out[row, start:end] = y.to(out.dtype)
+            varlen[seq] = final_states[row] = state
+            seq += 1
+    states, final_states, varlen = states.to(out_dtype), final_states.to(out_dtype), varlen.to(out_dtype)
+    if cu_seqlens is None:
+        varlen = None
 
     if return_track_states:
         return states, varlen, None
@@ -191,29 +158,23 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
             or intermediate_state_indices is not None or enable_stochastic_rounding:
         raise NotImplementedError("selective_state_update stand-in: speculative decoding, stochastic rounding")
     multi_token = x.dim() == 4
-    x4 = x if multi_token else x.unsqueeze(1)  # [batch, T, H, P]
+    as_steps = lambda t: None if t is None else (t if multi_token else t.unsqueeze(1))  # [batch, T, ...]
+    x4, dt4, B4, C4, z4, out4 = map(as_steps, (x, dt, B, C, z, out))
     batch, steps, H, P = x4.shape
-    dt4 = dt if multi_token else dt.unsqueeze(1)
-    B4 = B if multi_token else B.unsqueeze(1)
-    C4 = C if multi_token else C.unsqueeze(1)
-    z4 = None if z is None else (z if multi_token else z.unsqueeze(1))
-    out4 = out if multi_token else out.unsqueeze(1)
-
     slots = state_batch_indices.long() if state_batch_indices is not None else torch.arange(batch)
     live = slots != pad_slot_id
-    s = torch.zeros(batch, *state.shape[1:], dtype=torch.float32)
-    s[live] = state[slots[live]].float()
-    A32 = A.float()
+    s = torch.zeros(batch, *state.shape[1:], dtype=COMPUTE_DTYPE)
+    s[live] = state[slots[live]].to(COMPUTE_DTYPE)
+    A64 = A.to(COMPUTE_DTYPE)
+    D64 = None if D is None else D.to(COMPUTE_DTYPE)
     for t in range(steps):
-        step_dt = _discretised_dt(dt4[:, t], dt_bias, dt_softplus)  # [batch, H, P]
-        x_t = x4[:, t].float()
-        B_t, C_t = _heads_from_groups(B4[:, t], H), _heads_from_groups(C4[:, t], H)  # [batch, H, N]
-        s = s * torch.exp(A32[None] * step_dt[..., None]) + (step_dt * x_t)[..., None] * B_t[:, :, None, :]
-        y = torch.einsum("bhpn,bhn->bhp", s, C_t)
-        if D is not None:
-            y = y + x_t * D.float()
+        x_t = x4[:, t].to(COMPUTE_DTYPE)
+        decay, drive = _token_terms(x_t, _discretised_dt(dt4[:, t], dt_bias, dt_softplus), A64,
+                                    _heads_from_groups(B4[:, t], H))
+        s = _advance(s, decay, drive)
+        y = _readout(s, _heads_from_groups(C4[:, t], H), x_t, D64)
         if z4 is not None:
-            y = y * F.silu(z4[:, t].float())
+            y = y * F.silu(z4[:, t].to(COMPUTE_DTYPE))
         out4[:, t] = y.to(out4.dtype)
     if not disable_state_update and live.any():
         state[slots[live]] = s[live].to(state.dtype)

@@ -4,12 +4,16 @@ Replaces two Triton launchers SGLang still calls on a CPU without AMX:
 `rms_norm_gated` of `sglang.kernels.ops.attention.fla.fused_norm_gate` (behind
 `FusedRMSNormGated`, the GDN output norm) and `_launch_fused_gate_sigmoid_mul` of
 `sglang.kernels.ops.elementwise.elementwise` (the MoE shared-expert gate).
+Both compute in float64 (see the package docstring), so a token's result does not depend on
+how many tokens share the call.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import COMPUTE_DTYPE
 
 
 def rms_norm_gated(x, g, weight, bias, activation="swish", residual=None, prenorm=False,
@@ -20,15 +24,16 @@ def rms_norm_gated(x, g, weight, bias, activation="swish", residual=None, prenor
     kept in the residual's dtype (float32 with residual_in_fp32, else x's dtype)."""
     if activation not in ("swish", "silu", "sigmoid"):
         raise ValueError(f"Unsupported activation: {activation}")
-    h = x.float()
+    to64 = lambda t: t.to(COMPUTE_DTYPE)
+    h = to64(x)
     if residual is not None:
-        h = h + residual.float()
+        h = h + to64(residual)
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * to64(weight)
     if bias is not None:
-        y = y + bias.float()
-    gate = g.float().reshape(y.shape)
+        y = y + to64(bias)
+    gate = to64(g).reshape(y.shape)
     y = (y * (torch.sigmoid(gate) if activation == "sigmoid" else F.silu(gate))).to(x.dtype)
     if not prenorm:
         return y
@@ -40,8 +45,8 @@ def fused_gate_sigmoid_mul(hidden_states, gate_weight, shared_output, output, *,
     """Drop-in for `_launch_fused_gate_sigmoid_mul`: per token,
     output = sigmoid(hidden_states . gate_weight) * shared_output (+ output when do_add),
     written in place. hidden_states, shared_output, output [T, D]; gate_weight [D]."""
-    gate = torch.sigmoid(hidden_states.float() @ gate_weight.float())[:, None]
-    result = gate * shared_output.float()
+    gate = torch.sigmoid(hidden_states.to(COMPUTE_DTYPE) @ gate_weight.to(COMPUTE_DTYPE))[:, None]
+    result = gate * shared_output.to(COMPUTE_DTYPE)
     if do_add:
-        result = result + output.float()
+        result = result + output.to(COMPUTE_DTYPE)
     output.copy_(result.to(output.dtype))

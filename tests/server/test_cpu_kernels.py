@@ -94,7 +94,8 @@ def test_stand_in_matches_sglang_kernel(kernel_comparisons, case):
 
 def test_patches_bind_stand_ins():
     """With SGLANG_USE_CPU_ENGINE=1 and tests/cpu_engine on PYTHONPATH, sitecustomize swaps the
-    Triton-only kernels for the stand-ins in the modules that call them."""
+    Triton-only kernels for the stand-ins in the modules that call them, and the sgl_kernel
+    stand-in provides the CPU ops."""
     code = """
 import json, torch
 import sglang.srt.layers.attention.mamba.mamba as mamba
@@ -116,10 +117,16 @@ bound = {name: f.__module__ for name, f in {
     "gdn_backend.fused_gdn_gating": gdn_backend.fused_gdn_gating,
 }.items()}
 bound["device_module"] = torch.get_device_module().__name__
+import sgl_kernel
+try:
+    sgl_kernel.verify_tree_greedy_cpu()
+except NotImplementedError as error:
+    bound["stub_error"] = str(error)
 print(json.dumps(bound))
 """
     bound = _run_python(code, {"SGLANG_USE_CPU_ENGINE": "1"})
     assert bound.pop("device_module") == "torch.cpu"
+    assert "verify_tree_greedy_cpu" in bound.pop("stub_error")  # unported ops import, and name themselves
     assert bound["gdn_backend.causal_conv1d_fn"] == "sgl_kernel.mamba"
     assert bound.pop("gdn_backend.fused_gdn_gating") == "sgl_kernel.mamba"
     assert all(module.startswith("torch_kernels.") for name, module in bound.items()

@@ -98,16 +98,17 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
                                            use_qk_l2norm_in_kernel=False, cu_seqlens=None,
                                            is_kda=False, lower_bound=None,
                                            disable_state_update=False,
-                                           intermediate_states_buffer=None, **spec_options):
+                                           intermediate_states_buffer=None, **speculative_options):
     """Drop-in for the Triton decode kernel: gating plus the recurrence, token by token.
     q, k [1, T, H, K]; v [1, T, HV, V]; a, b [T, HV]; cu_seqlens [N + 1] (without it, each of
     the B rows of [B, T, ...] inputs is a sequence). Sequence i runs from
     initial_state_source[initial_state_indices[i]] and writes its final state back (unless
     disable_state_update); a PAD_SLOT_ID row runs from a zero state and writes nothing, as the
     Triton kernel does. Returns o shaped like v, in q's dtype. KDA gates and speculative-
-    decoding buffers are not supported."""
+    decoding buffers are not supported (speculative_options: the kernel's target-verify and
+    ReplaySSM arguments; any that is set is rejected)."""
     if is_kda or lower_bound is not None or intermediate_states_buffer is not None \
-            or any(v_ is not None and v_ is not False for v_ in spec_options.values()):
+            or any(option is not None and option is not False for option in speculative_options.values()):
         raise NotImplementedError("fused_sigmoid_gating_delta_rule_update stand-in: KDA, speculative decoding")
     batch, steps, _, K = k.shape
     HV = v.shape[2]
@@ -115,8 +116,8 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
     flat = lambda t: t.reshape(batch * steps, *t.shape[2:])
     qs, ks = _prepared_qk(flat(q), flat(k), HV, use_qk_l2norm_in_kernel, scale)
     vs = flat(v).to(COMPUTE_DTYPE)
-    g, gate = _gates(A_log, a.reshape(-1, HV), dt_bias, b.reshape(-1, HV), softplus_beta, softplus_threshold)
-    decays, gate = torch.exp(g.to(COMPUTE_DTYPE)), gate.to(COMPUTE_DTYPE)
+    g, beta = _gates(A_log, a.reshape(-1, HV), dt_bias, b.reshape(-1, HV), softplus_beta, softplus_threshold)
+    decays, betas = torch.exp(g.to(COMPUTE_DTYPE)), beta.to(COMPUTE_DTYPE)
     if cu_seqlens is not None:
         bounds = cu_seqlens.long()
     else:
@@ -130,7 +131,7 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
     for step in range(int(lengths.max()) if len(lengths) else 0):
         rows = torch.nonzero(lengths > step).squeeze(1)  # sequences that have this step
         tok = starts[rows] + step
-        o, state[rows] = delta_rule_step(state[rows], qs[tok], ks[tok], vs[tok], decays[tok], gate[tok])
+        o, state[rows] = delta_rule_step(state[rows], qs[tok], ks[tok], vs[tok], decays[tok], betas[tok])
         out[tok] = o
     if not disable_state_update and live.any():
         initial_state_source[slots[live]] = state[live].to(initial_state_source.dtype)

@@ -1,0 +1,14 @@
+"""Run SGLang's CPU engine on a CPU-only host with a CUDA build of torch: put this directory on
+PYTHONPATH and set SGLANG_USE_CPU_ENGINE=1. Otherwise (the variable unset) it does nothing.
+
+Installs `kernel_patches`: torch.get_device_module() answers torch.cpu without a GPU, and the
+Triton-only kernels SGLang launches for hybrid models are swapped for the plain-torch stand-ins
+in `torch_kernels` (the `sgl_kernel` package here stands in for sgl-kernel's CPU build).
+"""
+
+import os
+
+if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+    import kernel_patches
+
+    kernel_patches.install()

@@ -84,7 +84,7 @@ def run_workload(name: str, url: str, model: str, args, sizes: dict, scratch: Pa
 def flush(url: str) -> None:
     import requests
 
-    requests.post(url + "/flush_cache", timeout=600).raise_for_status()
+    requests.post(url + "/flush_cache", params={"timeout": 60}, timeout=600).raise_for_status()
 
 
 def format_tables(results: dict, hardware: str) -> str:

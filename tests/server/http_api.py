@@ -33,7 +33,8 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int = 8) -> Generat
 
 
 def flush_cache(url: str) -> None:
-    requests.post(url + "/flush_cache", timeout=TIMEOUT_S).raise_for_status()
+    # A just-answered request may still be finishing in the scheduler: let the server wait for it.
+    requests.post(url + "/flush_cache", params={"timeout": 60}, timeout=TIMEOUT_S).raise_for_status()
 
 
 def internal_state(url: str) -> dict:

@@ -63,7 +63,8 @@ def run_workload(name: str, url: str, model: str, args, sizes: dict, scratch: Pa
     if name == "shared-prefix":
         return run_bench_serving(url, model, gsp, n_gsp, c, scratch / f"{name}.jsonl")
     if name == "multi-turn":
-        return run_bench_serving(url, model, [*gsp, "--gsp-num-turns", "3"], n_gsp, c, scratch / f"{name}.jsonl")
+        return run_bench_serving(url, model, [*gsp, "--gsp-num-turns", "3"], n_gsp, c, scratch / f"{name}.jsonl",
+                                 backend="sglang-oai-chat")
     if name == "mooncake":
         dataset = ["--dataset-name", "mooncake", "--mooncake-workload", "conversation",
                    "--dataset-path", str(MOONCAKE)]

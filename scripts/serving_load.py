@@ -80,11 +80,12 @@ def percentiles_ms(seconds: list[float]) -> dict:
 # -- SGLang's own load generator ---------------------------------------------------------------
 
 def run_bench_serving(url: str, model_path: str, dataset_args: list[str], num_prompts: int, concurrency: int,
-                      out_file: Path, seed: int = 1) -> LoadResult:
-    """`python -m sglang.bench_serving` against `url` (closed loop at `concurrency`)."""
+                      out_file: Path, seed: int = 1, backend: str = "sglang") -> LoadResult:
+    """`python -m sglang.bench_serving` against `url` (closed loop at `concurrency`); `backend`
+    "sglang" is /generate, "sglang-oai-chat" the OpenAI chat API (its multi-turn mode needs it)."""
     out_file.unlink(missing_ok=True)
     before = server_counters(url)
-    argv = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
+    argv = [sys.executable, "-m", "sglang.bench_serving", "--backend", backend, "--base-url", url,
             "--model", model_path, "--tokenizer", model_path, "--num-prompts", str(num_prompts),
             "--max-concurrency", str(concurrency), "--request-rate", "inf", "--warmup-requests", "0",
             "--seed", str(seed), "--output-file", str(out_file), *dataset_args]

@@ -102,6 +102,8 @@ def start_server(model_dir: str | Path, *, launcher: str = "marconi", extra_args
     SGLang's CPU engine with `CPU_FLAGS` and the kernel stand-ins; otherwise SGLang's defaults
     for that device (metrics on). `extra_args` come last, so they override."""
     port = free_port()
+    if Path(model_dir).exists():  # a local model: absolute, since the server runs in the log's directory
+        model_dir = Path(model_dir).resolve()
     device_args = CPU_FLAGS if device == "cpu" else ("--device", device, "--enable-metrics")
     argv = [
         "timeout", "--kill-after=10", str(hard_limit_s), sys.executable, "-m", LAUNCHERS[launcher],

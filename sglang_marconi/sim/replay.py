@@ -42,6 +42,9 @@ class RunResult:
     # KV-only block-cache runs (`kv_blocks`): capacity_blocks, block_size, total_hit_tokens,
     # total_prompt_tokens, overall_hit_rate, final_cache_blocks, evictions (top-level in the JSON)
     block_cache: dict | None = None
+    # marconi-best: every candidate's token_hit_rate, flops_saved and wall_seconds, and the best
+    candidates: dict | None = None
+    best_choice: str | None = None
 
     def choice_history(self) -> list[tuple[int, str]]:
         """(request index, choice) at each adoption: an alpha, or 'lru' (SGLang's LRU, which
@@ -64,6 +67,9 @@ class RunResult:
         out["choice_history"] = [list(x) for x in self.choice_history()]
         if not with_requests:
             out.pop("per_request")
+        for key in ("candidates", "best_choice"):
+            if out[key] is None:
+                out.pop(key)
         out.update(out.pop("block_cache") or {})
         return out
 

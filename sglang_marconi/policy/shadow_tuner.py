@@ -85,6 +85,7 @@ class ShadowConfig:
     half_life: float = 1000.0  # sampled requests
     margin: float = 0.03  # relative lead the leader needs over the current choice
     z: float = 1.0  # and this many standard errors of the paired differences
+    first: Choice | None = None  # the choice before the first decision (None: the first candidate)
 
     def __post_init__(self):
         if not self.alpha_grid:
@@ -109,7 +110,7 @@ class ShadowConfig:
 
     @property
     def start(self) -> Choice:
-        return self.choices[0]
+        return self.choices[0] if self.first is None else self.first
 
 
 @dataclass
@@ -212,10 +213,11 @@ class ShadowTuner:
             self._sq += diff * diff
 
     def leader(self) -> int:
-        """Index of the best-scoring choice; among exact ties the last listed (the largest
-        alpha): right after the fork the alphas often still behave alike, and the
+        """Index of the choice to lead: among those within `margin` of the best score, the last
+        listed (the largest alpha). Right after the fork the alphas still behave alike, and the
         efficiency-first ones are those whose gains show only later."""
-        return int(np.flatnonzero(self.scores == self.scores.max())[-1])
+        top = self.scores.max()
+        return int(np.flatnonzero(self.scores >= top * (1 - self.config.margin))[-1])
 
     def _decide(self) -> Choice | None:
         cur = self.choices.index(self.current)

@@ -1,13 +1,12 @@
 """The shadow tuner (`policy/shadow_tuner.py`) off the scheduler thread: a child process fed
-through a bounded, non-blocking channel, so the scheduler never waits on tuning.
+through a bounded channel that never blocks, so the scheduler never waits on tuning.
 
-- Channel: a Unix SEQPACKET socket pair (message boundaries kept, ordered). The scheduler sends
-  each sampled request with one non-blocking `sendmsg` of the token buffers themselves (no
-  copies in Python, no feeder thread to contend for the GIL); when the socket's buffer is full
-  the request is dropped and counted. Requests longer than a part are split into parts; a part
-  that does not fit drops the rest and the child discards the incomplete message.
-- Back channel: shared memory (`RawArray`) the child writes and the scheduler reads without a
-  lock: the current choice, requests observed (a heartbeat), each candidate's score.
+- Channel: a byte ring in shared memory (`shared_ring.py`): the scheduler copies each sampled
+  request's token buffers into it (a few microseconds: no system call, no lock, no helper thread
+  to contend for the GIL); when the ring is full the request is dropped and counted.
+- Child: polls the ring (every 2 ms while requests come, every 50 ms when idle), runs the shadow
+  caches at the lowest CPU priority, and writes back through shared memory (`RawArray`, read
+  without a lock): the current choice, requests observed (a heartbeat), each candidate's score.
 - Failure: a child that has exited, or that observed nothing for `stall_s` while requests were
   waiting, is given up with one warning; the cache keeps its current choice.
 
@@ -18,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import socket
+import os
 import struct
 import sys
 import time
@@ -29,19 +28,21 @@ import numpy as np
 
 from sglang_marconi.policy.sampling import session_in_sample
 from sglang_marconi.policy.shadow_tuner import Choice, ShadowConfig, ShadowTuner, TunerLog, choice_label
+from sglang_marconi.serving.shared_ring import SharedRing, fence
 
 log = logging.getLogger("sglang_marconi")
 
-_PART = struct.Struct("<QII")  # message id, part index, number of parts
-_META = struct.Struct("<IIQQ")  # requests since the previous message, key bytes, input tokens, output tokens
-_CHOICE, _OBSERVED, _READY, _SCORES = 0, 1, 2, 3  # shared state slots; scores from _SCORES on
-_SOCKET_BUFFER = 8 << 20  # asked for; the kernel may grant less (net.core.wmem_max)
+_META = struct.Struct("<IIQQ")  # requests since the previous record, key bytes, input tokens, output tokens
+_CHOICE, _OBSERVED, _READY, _CLOSED, _SCORES = range(5)  # shared state slots; scores from _SCORES on
+RING_BYTES = 64 << 20  # ~8M tokens of requests in flight to the tuner
 _CHECK_EVERY_S = 1.0  # how often the scheduler side checks the child's health
+_BATCH = 16  # finished requests handed to the child at once
+_POLL_S, _IDLE_POLL_S, _IDLE_S = 0.002, 0.05, 0.5
 
 
 class BackgroundShadowTuner:
-    """Scheduler side. `feed` after each finished request, `poll` for a new choice; neither
-    blocks. `close()` stops the child and returns its log (or None if it had failed)."""
+    """Scheduler side: `observe` each finished request (never blocks; returns a new choice when
+    the child has adopted one). `close()` stops the child and returns its log (None if it failed)."""
 
     def __init__(self, profile, capacity_bytes: int, config: ShadowConfig, *, state_slots: int | None = None,
                  checkpoint_grid: int = 1, page_size: int = 1, stall_s: float = 60.0):
@@ -51,64 +52,60 @@ class BackgroundShadowTuner:
         self.stall_s = stall_s
         self.fed = self.dropped = 0
         self.failed: str | None = None  # why the child was given up, if it was
+        self._closed = False  # nothing more is sent once the ring is closed
         self._since_sent = 0
-        self._next_id = 0
+        self._batch: list = []
         ctx = multiprocessing.get_context("spawn")
-        family = getattr(socket, "SOCK_SEQPACKET", socket.SOCK_DGRAM)
-        self._sock, child_sock = socket.socketpair(socket.AF_UNIX, family)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
-        self._sock.setblocking(False)
-        # A message must fit the send buffer whole; the kernel's own overhead per message is small.
-        self._part_bytes = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4
+        self._ring = SharedRing(ctx, RING_BYTES)
         self._state = ctx.RawArray("d", _SCORES + len(self.choices))
         self._state[_CHOICE] = self.choices.index(self.current)
         self._result_recv, result_send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=run_shadow_tuner, name="marconi-shadow-tuner", daemon=True,
-            args=(child_sock, result_send, self._state, profile, capacity_bytes, state_slots, config,
-                  checkpoint_grid, page_size, self._part_bytes),
+            args=(self._ring, result_send, self._state, os.getpid(), profile, capacity_bytes, state_slots, config,
+                  checkpoint_grid, page_size),
         )
         _start_without_main(self._proc)
-        child_sock.close()
         result_send.close()
         self._observed_at = (0.0, time.monotonic())  # (observed count, when it last changed)
         self._next_check = time.monotonic() + _CHECK_EVERY_S
 
     # -- scheduler thread ----------------------------------------------------------------------
-    def feed(self, session_key: str, input_ids, output_ids) -> None:
-        """Queue one finished request for the shadows (dropped, and counted, if the channel is full)."""
-        self._since_sent += 1
-        if self.failed is not None or not session_in_sample(session_key, self.config.sample_rate):
-            return
-        key = session_key.encode()
-        inp, out = _int64_buffer(input_ids), _int64_buffer(output_ids)
-        meta = _META.pack(self._since_sent, len(key), len(inp) // 8, len(out) // 8)
-        size = len(meta) + len(key) + len(inp) + len(out)
-        msg_id = self._next_id
-        self._next_id += 1
-        try:
-            if size <= self._part_bytes:
-                self._sock.sendmsg([_PART.pack(msg_id, 0, 1), meta, key, inp, out])
-            else:  # long requests travel in parts (rare: hundreds of thousands of tokens)
-                payload = b"".join((meta, key, inp, out))
-                parts = range(0, size, self._part_bytes)
-                for i, start in enumerate(parts):
-                    self._sock.sendmsg([_PART.pack(msg_id, i, len(parts)), payload[start:start + self._part_bytes]])
-        except (BlockingIOError, OSError):
-            self.dropped += 1
-            return
-        self.fed += 1
-        self._since_sent = 0
+    def observe(self, session_key: str, input_ids, output_ids) -> Choice | None:
+        """One finished request. Requests are handed to the child in batches of `_BATCH` (a hot loop
+        costs the scheduler a fraction of one call per request), and the child's choice is read
+        then: returns it if it changed, else None."""
+        batch = self._batch
+        batch.append((session_key, input_ids, output_ids))
+        if len(batch) < _BATCH:
+            return None
+        self._flush()
+        return self.poll()
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, []
+        rate, ring = self.config.sample_rate, self._ring
+        for session_key, input_ids, output_ids in batch:
+            self._since_sent += 1
+            if self._closed or (rate < 1 and not session_in_sample(session_key, rate)):
+                continue
+            key = session_key.encode()
+            inp, out = _int64_buffer(input_ids), _int64_buffer(output_ids)
+            if ring.put((_META.pack(self._since_sent, len(key), len(inp) // 8, len(out) // 8) + key, inp, out)):
+                self.fed += 1
+                self._since_sent = 0
+            else:
+                self.dropped += 1
 
     def poll(self) -> Choice | None:
         """The child's current choice if it changed since the last poll, else None."""
-        if self.failed is not None:
+        if self._closed:
             return None
         now = time.monotonic()
         if now >= self._next_check:
             self._next_check = now + _CHECK_EVERY_S
             self._check_health(now)
-            if self.failed is not None:
+            if self._closed:
                 return None
         choice = self.choices[int(self._state[_CHOICE])]
         if choice == self.current:
@@ -129,7 +126,7 @@ class BackgroundShadowTuner:
     def _give_up(self, why: str) -> None:
         self.failed = why
         log.warning("Marconi tuning stopped: %s; keeping eviction choice %s", why, choice_label(self.current))
-        self._sock.close()
+        self._close_ring()
 
     # -- figures -------------------------------------------------------------------------------
     @property
@@ -145,12 +142,18 @@ class BackgroundShadowTuner:
 
     def stop(self) -> None:
         """Stop feeding; the child finishes what it has and exits. Never waits."""
-        self._sock.close()
+        self._flush()
+        self._close_ring()
+
+    def _close_ring(self) -> None:
+        self._closed = True
+        fence()  # the last record is published before the close is
+        self._state[_CLOSED] = 1.0
 
     def close(self, timeout: float = 30.0) -> TunerLog | None:
         """Stop the child after it has observed what was sent; its log, or None if it failed."""
-        if self.failed is None:
-            self._sock.close()  # end of stream: the child finishes what it has and reports
+        self._flush()
+        self._close_ring()  # end of stream: the child observes what it has, then reports
         result = None
         if self._result_recv.poll(timeout if self.failed is None else 0):
             try:
@@ -188,36 +191,31 @@ def _int64_buffer(tokens) -> memoryview:
 
 # -- the child process ----------------------------------------------------------------------------
 
-def run_shadow_tuner(sock, result_send, state, profile, capacity_bytes, state_slots, config, checkpoint_grid,
-                     page_size, part_bytes) -> None:
-    """Observe requests from `sock` until it closes; publish the choice and scores in `state`;
-    send the final `TunerLog` on `result_send`."""
+def run_shadow_tuner(ring: SharedRing, result_send, state, parent_pid, profile, capacity_bytes, state_slots, config,
+                     checkpoint_grid, page_size) -> None:
+    """Observe requests from `ring` until the parent closes it (or exits); publish the choice and
+    scores in `state`; send the final `TunerLog` on `result_send`."""
+    _yield_to_the_scheduler()
     tuner = ShadowTuner(profile, capacity_bytes, config, checkpoint_grid=checkpoint_grid, page_size=page_size,
                         state_slots=state_slots)
-    buf = bytearray(part_bytes + _PART.size + 64)
-    pending: tuple[int, int, list[bytes]] | None = None  # (message id, parts expected, parts so far)
     state[_READY] = 1.0
     scores_at = -1
+    idle_since = time.monotonic()
     while True:
-        n = sock.recv_into(buf)
-        if n == 0:
-            break
-        msg_id, part, nparts = _PART.unpack_from(buf)
-        if nparts == 1:
-            payload = memoryview(buf)[_PART.size:n]
-            pending = None
-        else:
-            if part == 0:
-                pending = (msg_id, nparts, [])
-            if pending is None or pending[0] != msg_id or len(pending[2]) != part:
-                pending = None  # a part was dropped: discard the message
+        payload = ring.get()
+        if payload is None:
+            if state[_CLOSED]:  # closed after its last record: drain, then stop
+                fence()
+                payload = ring.get()
+                if payload is None:
+                    break
+            elif os.getppid() != parent_pid:
+                break
+            else:
+                time.sleep(_POLL_S if time.monotonic() - idle_since < _IDLE_S else _IDLE_POLL_S)
                 continue
-            pending[2].append(bytes(buf[_PART.size:n]))
-            if len(pending[2]) < nparts:
-                continue
-            payload = memoryview(b"".join(pending[2]))
-            pending = None
-        _observe(tuner, payload)
+        idle_since = time.monotonic()
+        _observe(tuner, memoryview(payload))
         state[_OBSERVED] = tuner.log.requests
         state[_CHOICE] = tuner.choices.index(tuner.current)
         if tuner.log.sampled - scores_at >= config.epoch:  # scores change slowly: publish per epoch
@@ -228,6 +226,17 @@ def run_shadow_tuner(sock, result_send, state, profile, capacity_bytes, state_sl
         state[_SCORES + i] = s
     result_send.send(tuner.log)
     result_send.close()
+
+
+def _yield_to_the_scheduler() -> None:
+    """Run only on CPU time nothing else wants (Linux SCHED_IDLE, else the lowest priority)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.nice(19)
+        except OSError:
+            pass
 
 
 def _observe(tuner: ShadowTuner, payload: memoryview) -> None:

@@ -45,19 +45,12 @@ class InlineShadowTuner:
         kwargs.pop("stall_s", None)
         self.tuner = ShadowTuner(profile, capacity_bytes, config, **kwargs)
         self.choices = self.tuner.choices
-        self._new: Choice | None = None
         self.fed = 0
 
-    def feed(self, session_key: str, input_ids, output_ids) -> None:
+    def observe(self, session_key: str, input_ids, output_ids) -> Choice | None:
         self.fed += 1
         out = np.asarray(output_ids, dtype=np.int64)[:-1]  # SGLang caches input + output[:-1]
-        choice = self.tuner.observe(session_key, np.asarray(input_ids, dtype=np.int64), out)
-        if choice is not None:
-            self._new = choice
-
-    def poll(self) -> Choice | None:
-        choice, self._new = self._new, None
-        return choice
+        return self.tuner.observe(session_key, np.asarray(input_ids, dtype=np.int64), out)
 
     @property
     def observed(self) -> int:
@@ -144,8 +137,7 @@ class MarconiRuntime:
 
     def _tune(self, session_key: str, input_ids, output_ids) -> None:
         try:
-            self.tuner.feed(session_key, input_ids, output_ids)
-            choice = self.tuner.poll()
+            choice = self.tuner.observe(session_key, input_ids, output_ids)
         except Exception as exc:  # tuning must never take the scheduler down
             log.warning("Marconi tuning stopped after an error (%s: %s); keeping eviction choice %s",
                         type(exc).__name__, exc, choice_label(self.choice))

@@ -296,7 +296,8 @@ class Probe:
 
 def build(config: str, kv_size: int, mamba_size: int, max_context_len: int):
     """upstream: `build_cache` on either tree core; marconi: what `--radix-cache-backend marconi`
-    builds (our components + admission + cache class + runtime), alpha fixed (no tuning)."""
+    builds (our components + admission + cache class + runtime), alpha fixed or tuned by the
+    shadow tuner's background process (started, as in a server, before the first request)."""
     from sglang_cpu import build_cache, build_marconi_serving
 
     from sglang_marconi.serving.config import MarconiServingConfig
@@ -311,6 +312,9 @@ def build(config: str, kv_size: int, mamba_size: int, max_context_len: int):
     cc, runtime = build_marconi_serving(config_, **kw)
     cc.settings = runtime.settings
     cc.runtime = runtime
+    deadline = time.monotonic() + 60
+    while runtime.tuner is not None and not runtime.tuner.ready and time.monotonic() < deadline:
+        time.sleep(0.01)  # a server's tuner starts with the scheduler, before any request
     return cc
 
 

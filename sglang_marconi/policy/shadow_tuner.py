@@ -43,7 +43,7 @@ OBJECTIVES = ("flops", "token_hit_rate")
 Choice = float | str
 # Large alphas matter: with both terms min-max normalized, alpha >> 1 ranks by FLOP efficiency
 # first (recency breaks near-ties), which wins by 10-20 points on contended chat traces.
-DEFAULT_ALPHA_GRID = (0.0, 2.0, 20.0, 100.0)
+DEFAULT_ALPHA_GRID = (0.0, 1.0, 2.0, 20.0, 100.0)
 
 
 def parse_alpha_grid(text: str) -> tuple[float, ...]:

@@ -85,6 +85,7 @@ class ShadowConfig:
     half_life: float = 1000.0  # sampled requests
     margin: float = 0.03  # relative lead the leader needs over the current choice
     z: float = 1.0  # and this many standard errors of the paired differences
+    tie: float = 0.05  # choices within this share of the best score are tied for the lead
     first: Choice | None = None  # the choice before the first decision (None: the first candidate)
 
     def __post_init__(self):
@@ -97,7 +98,7 @@ class ShadowConfig:
         check_rate(self.sample_rate)
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 1:
             raise MarconiError(f"epoch must be an integer >= 1 (sampled requests), got {self.epoch!r}")
-        for name in ("half_life", "margin", "z"):
+        for name in ("half_life", "margin", "z", "tie"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
                 raise MarconiError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -217,7 +218,7 @@ class ShadowTuner:
         listed (the largest alpha). Right after the fork the alphas still behave alike, and the
         efficiency-first ones are those whose gains show only later."""
         top = self.scores.max()
-        return int(np.flatnonzero(self.scores >= top * (1 - self.config.margin))[-1])
+        return int(np.flatnonzero(self.scores >= top * (1 - self.config.tie))[-1])
 
     def _decide(self) -> Choice | None:
         cur = self.choices.index(self.current)

@@ -50,14 +50,14 @@ class SharedRing:
         self.data = ctx.RawArray("B", self.size)
         self.head = ctx.RawValue("Q", 0)
         self.tail = ctx.RawValue("Q", 0)
-        self._pos = 0  # the producer's (or consumer's) own copy of its index
+        self._written = self._read = 0  # the producer's and the consumer's own copies of their index
         self._seq = 0
 
     def __getstate__(self):
         return {"size": self.size, "data": self.data, "head": self.head, "tail": self.tail}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _pos=0, _seq=0)
+        self.__dict__.update(state, _written=state["head"].value, _read=state["tail"].value, _seq=0)
 
     def _view(self) -> memoryview:
         view = self.__dict__.get("_mv")
@@ -72,7 +72,7 @@ class SharedRing:
         total = _record_bytes(n)
         if total > self.size // 2:
             return False
-        head, tail = self._pos, self.tail.value
+        head, tail = self._written, self.tail.value
         at = head % self.size
         skip = self.size - at if at + total > self.size else 0
         if head + skip + total - tail > self.size:
@@ -89,8 +89,8 @@ class SharedRing:
             off += len(p)
         _TRAILER.pack_into(mv, at + total - _TRAILER.size, self._seq)
         fence()
-        self._pos = head + total
-        self.head.value = self._pos
+        self._written = head + total
+        self.head.value = self._written
         self._seq += 1
         return True
 
@@ -98,9 +98,9 @@ class SharedRing:
     def get(self) -> bytes | None:
         """The next record's payload (copied out), or None if the ring is empty."""
         mv = self._view()
-        while self._pos < self.head.value:
+        while self._read < self.head.value:
             fence()
-            at = self._pos % self.size
+            at = self._read % self.size
             seq, n = _RECORD.unpack_from(mv, at)
             if n == 0:
                 self._advance(self.size - at)
@@ -115,5 +115,5 @@ class SharedRing:
 
     def _advance(self, n: int) -> None:
         fence()
-        self._pos += n
-        self.tail.value = self._pos
+        self._read += n
+        self.tail.value = self._read

@@ -58,7 +58,8 @@ class BackgroundShadowTuner:
         ctx = multiprocessing.get_context("spawn")
         self._ring = SharedRing(ctx, RING_BYTES)
         self._state = ctx.RawArray("d", _SCORES + len(self.choices))
-        self._state[_CHOICE] = self.choices.index(self.current)
+        self._index = self.choices.index(self.current)
+        self._state[_CHOICE] = self._index
         self._result_recv, result_send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=run_shadow_tuner, name="marconi-shadow-tuner", daemon=True,
@@ -73,21 +74,22 @@ class BackgroundShadowTuner:
     # -- scheduler thread ----------------------------------------------------------------------
     def observe(self, session_key: str, input_ids, output_ids) -> Choice | None:
         """One finished request. Requests are handed to the child in batches of `_BATCH` (a hot loop
-        costs the scheduler a fraction of one call per request), and the child's choice is read
-        then: returns it if it changed, else None."""
+        costs the scheduler a fraction of one call per request); the child's choice is read every
+        time (one shared-memory read): returns it if it changed, else None."""
         batch = self._batch
         batch.append((session_key, input_ids, output_ids))
-        if len(batch) < _BATCH:
-            return None
-        self._flush()
+        if len(batch) >= _BATCH:
+            self._flush()
         return self.poll()
 
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
+        if self._closed:
+            return
         rate, ring = self.config.sample_rate, self._ring
         for session_key, input_ids, output_ids in batch:
             self._since_sent += 1
-            if self._closed or (rate < 1 and not session_in_sample(session_key, rate)):
+            if rate < 1 and not session_in_sample(session_key, rate):
                 continue
             key = session_key.encode()
             inp, out = _int64_buffer(input_ids), _int64_buffer(output_ids)
@@ -96,22 +98,21 @@ class BackgroundShadowTuner:
                 self._since_sent = 0
             else:
                 self.dropped += 1
+        now = time.monotonic()
+        if now >= self._next_check:  # the child's health, checked at most once a second
+            self._next_check = now + _CHECK_EVERY_S
+            self._check_health(now)
 
     def poll(self) -> Choice | None:
         """The child's current choice if it changed since the last poll, else None."""
         if self._closed:
             return None
-        now = time.monotonic()
-        if now >= self._next_check:
-            self._next_check = now + _CHECK_EVERY_S
-            self._check_health(now)
-            if self._closed:
-                return None
-        choice = self.choices[int(self._state[_CHOICE])]
-        if choice == self.current:
+        index = int(self._state[_CHOICE])
+        if index == self._index:
             return None
-        self.current = choice
-        return choice
+        self._index = index
+        self.current = self.choices[index]
+        return self.current
 
     def _check_health(self, now: float) -> None:
         code = self._proc.exitcode

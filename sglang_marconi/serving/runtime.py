@@ -188,8 +188,10 @@ class MarconiRuntime:
         """Stop tuning once the tuner has observed what it was fed (the choice in force stays); its
         log is kept in `tuner_log`."""
         if self.tuner is not None and self.tuner_log is None:
-            self._tuning = False
+            tuning, self._tuning = self._tuning, False
             self.tuner_log = self.tuner.close()
+            if tuning and self.tuner_log is not None:  # a decision made after the last poll
+                self._adopt(self.tuner_log.decisions[-1][1])
 
 
 def _mamba_type():

@@ -307,7 +307,7 @@ def build(config: str, kv_size: int, mamba_size: int, max_context_len: int):
         return build_cache(**kw)
     if config == "lru-rust":
         return build_cache(tree_core_backend="rust", **kw)
-    alpha = {"marconi-a0": 0.0, "marconi-a1": 1.0}.get(config)
+    alpha = float(config.removeprefix("marconi-a")) if config.startswith("marconi-a") and config != "marconi-auto" else None
     config_ = MarconiServingConfig(alpha=alpha, admission=config != "marconi-evict", tune_workers=1)
     cc, runtime = build_marconi_serving(config_, **kw)
     cc.settings = runtime.settings

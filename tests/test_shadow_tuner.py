@@ -81,12 +81,14 @@ def test_switches_to_flop_aware_eviction_when_it_saves_more(toy):
 
 
 def test_margin_keeps_the_current_choice(toy):
-    tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0,), margin=0.03))
-    tuner.scores[:] = [100.0, 102.9]
-    assert tuner._decide() is None and tuner.current == LRU  # leads by 2.9% < 3%
-    tuner.scores[:] = [100.0, 103.1]
+    # margin and tie are shares of what the requests could save at most (`potential`): points
+    tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0,), margin=0.03, tie=0.0))
+    tuner.potential = 1000.0
+    tuner.scores[:] = [100.0, 129.0]
+    assert tuner._decide() is None and tuner.current == LRU  # leads by 2.9 points < 3
+    tuner.scores[:] = [100.0, 131.0]
     assert tuner._decide() == 0.0 and tuner.log.decisions[-1] == (0, 0.0)
-    tuner.scores[:] = [103.2, 103.1]  # LRU leads again, by 0.1%: no flapping back
+    tuner.scores[:] = [132.0, 131.0]  # LRU leads again, by 0.1 point: no flapping back
     assert tuner._decide() is None
 
 
@@ -99,14 +101,20 @@ def test_decisions_only_at_epoch_ends_and_scores_decay(toy):
             sampled_at_decision.append(tuner.log.sampled - tuner.log.forked_at + 1)  # the fork request scores too
     assert sampled_at_decision and all(n % 7 == 0 for n in sampled_at_decision)
     before = tuner.scores.copy()
-    tuner._score([0, 0, 0])  # a request nobody hit: every score decays by 2^(-1/50)
+    tuner._score([0, 0, 0], 10)  # a request nobody hit: every score decays by 2^(-1/50)
     assert np.allclose(tuner.scores, before * 0.5 ** (1 / 50))
 
 
-def test_ties_go_to_the_largest_alpha_and_the_test_needs_evidence(toy):
-    tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0, 2.0), z=1.0, margin=0.0))
+def test_near_ties_go_to_the_largest_alpha_and_the_test_needs_evidence(toy):
+    tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0, 2.0), z=1.0, margin=0.0, tie=0.01))
+    tuner.potential = 100.0
     tuner.scores[:] = [1.0, 3.0, 3.0]
     assert tuner.leader() == 2
+    tuner.scores[:] = [1.0, 3.0, 2.1]  # within 1 point of the best: still ties, the larger alpha leads
+    assert tuner.leader() == 2
+    tuner.scores[:] = [1.0, 3.0, 1.9]
+    assert tuner.leader() == 1
+    tuner.scores[:] = [1.0, 3.0, 3.0]
     tuner._sq[2, 0] = tuner._sq[0, 2] = 9.0  # gap 2 < 1 x sqrt(9): not yet significant
     assert tuner._decide() is None and tuner.current == LRU
     tuner._sq[2, 0] = tuner._sq[0, 2] = 1.0
@@ -144,6 +152,7 @@ def test_two_budget_shadows_bound_kv_and_states_separately(toy):
     ({"half_life": 0}, "half_life"),
     ({"margin": -1}, "margin"),
     ({"z": math.inf}, "z"),
+    ({"tie": -0.5}, "tie"),
 ])
 def test_bad_config(kwargs, match):
     with pytest.raises(MarconiError, match=match):

@@ -83,9 +83,9 @@ class ShadowConfig:
     sample_rate: float = 1.0
     epoch: int = 4  # sampled requests between decisions
     half_life: float = 1000.0  # sampled requests
-    margin: float = 0.03  # relative lead the leader needs over the current choice
+    margin: float = 0.005  # lead the leader needs, as a share of what the requests could save at most
     z: float = 1.0  # and this many standard errors of the paired differences
-    tie: float = 0.05  # choices within this share of the best score are tied for the lead
+    tie: float = 0.01  # choices within this share (of the same) of the best score tie for the lead
     first: Choice | None = None  # the choice before the first decision (None: the first candidate)
 
     def __post_init__(self):
@@ -147,6 +147,7 @@ class ShadowTuner:
         self.current = config.start
         k = len(self.choices)
         self.scores = np.zeros(k)
+        self.potential = 0.0  # decayed sum of what the sampled requests could save at most (whole inputs)
         self._sq = np.zeros((k, k))  # decayed squared paired differences (variance of score gaps)
         self._decay = 0.5 ** (1.0 / config.half_life)
         self._since_decision = 0
@@ -181,7 +182,7 @@ class ShadowTuner:
                 lookup = shadow.lookup(inp)
                 shadow.admit(seq, lookup.checkpoint_at)
                 hits.append(lookup.hit_tokens)
-        self._score(hits)
+        self._score(hits, len(inp))
         self._since_decision += 1
         if self._since_decision >= self.config.epoch:
             self._since_decision = 0
@@ -198,27 +199,29 @@ class ShadowTuner:
             self.shadows.append(shadow)
 
     # -- scores and decisions ----------------------------------------------------------------
-    def _score(self, hits: Sequence[int]) -> None:
+    def _score(self, hits: Sequence[int], input_len: int) -> None:
         if self.config.objective == "flops":
             memo: dict[int, float] = {0: 0.0}
             gains = np.array([memo[h] if h in memo else memo.setdefault(h, self.profile.prefill_flops(0, h))
                               for h in hits])
+            whole = self.profile.prefill_flops(0, input_len)
         else:
-            gains = np.asarray(hits, dtype=float)
+            gains, whole = np.asarray(hits, dtype=float), float(input_len)
         d = self._decay
         self.scores *= d
         self.scores += gains
+        self.potential = self.potential * d + whole
         self._sq *= d * d
         if gains.max() != gains.min():
             diff = gains[:, None] - gains[None, :]
             self._sq += diff * diff
 
     def leader(self) -> int:
-        """Index of the choice to lead: among those within `margin` of the best score, the last
-        listed (the largest alpha). Right after the fork the alphas still behave alike, and the
+        """Index of the choice to lead: among those within `tie` of the best score, the last listed
+        (the largest alpha). Right after the fork the alphas still behave alike, and the
         efficiency-first ones are those whose gains show only later."""
         top = self.scores.max()
-        return int(np.flatnonzero(self.scores >= top * (1 - self.config.tie))[-1])
+        return int(np.flatnonzero(self.scores >= top - self.config.tie * self.potential)[-1])
 
     def _decide(self) -> Choice | None:
         cur = self.choices.index(self.current)
@@ -227,7 +230,7 @@ class ShadowTuner:
             return None
         gap = self.scores[best] - self.scores[cur]
         c = self.config
-        if gap <= c.margin * self.scores[cur] or gap <= c.z * math.sqrt(self._sq[best, cur]):
+        if gap <= c.margin * self.potential or gap <= c.z * math.sqrt(self._sq[best, cur]):
             return None
         self.current = self.choices[best]
         self.log.decisions.append((self.log.requests, self.current))

@@ -79,6 +79,7 @@ class MarconiRuntime:
         self.tuner = None
         self.tuner_log = None  # the tuner's log, once closed
         self._tuning = config.alpha is None
+        self.adoptions: list[tuple[int, Choice]] = []  # (requests released, choice adopted then)
         if self._tuning:
             self.tuner = self._start_tuner(cache)
             self._adopt(config.tuning().start)
@@ -145,6 +146,7 @@ class MarconiRuntime:
             return
         if choice is not None:
             self._adopt(choice)
+            self.adoptions.append((self.figures.requests, choice))
             if not self.config.retune:  # the paper tunes once: stop here, without waiting
                 self._tuning = False
                 self.tuner.stop()

@@ -25,7 +25,7 @@ def workload():
 
 @pytest.mark.parametrize("objective", ["flops", "token_hit_rate"])
 def test_best_is_the_candidate_with_the_most_saved(workload, objective):
-    config = ShadowConfig(alpha_grid=(0.0, 20.0), objective=objective)
+    config = ShadowConfig(alpha_grid=(0.0, 20.0), seglen_weights=(), objective=objective)
     best = replay_best(workload, PROFILE, CAPACITY, config, progress=False)
     fixed = {"lru": replay(workload, build_policy("sglang+", PROFILE, CAPACITY), PROFILE, CAPACITY, progress=False)}
     for alpha in (0.0, 20.0):
@@ -43,10 +43,10 @@ def test_best_is_the_candidate_with_the_most_saved(workload, objective):
 def test_cli_reports_marconi_best_beside_the_tuned_run(tmp_path, capsys):
     out = tmp_path / "runs.json"
     rc = main(["--workload", "synthetic:sharegpt:sessions=12", "--capacity", "3GB", "--policies",
-               "sglang+,marconi,marconi-best", "--alpha-grid", "0,20", "--json", str(out), "--no-progress"])
+               "sglang+,marconi,marconi-best", "--alpha-grid", "0,20", "--seglen-weights", "5", "--json", str(out), "--no-progress"])
     assert rc == 0
     runs = {r["policy"]: r for r in json.loads(out.read_text())}
-    assert set(runs["marconi-best"]["candidates"]) == {"lru", "0", "20"}
+    assert set(runs["marconi-best"]["candidates"]) == {"lru", "0", "20", "seglen:5"}
     assert runs["marconi-best"]["best_choice"] in runs["marconi-best"]["candidates"]
     assert "candidates" not in runs["marconi"] and runs["marconi"]["choice_history"][0] == [0, "lru"]
     assert "marconi-best" in capsys.readouterr().out

@@ -82,7 +82,7 @@ def test_switches_to_flop_aware_eviction_when_it_saves_more(toy):
 
 def test_margin_keeps_the_current_choice(toy):
     # margin and tie are shares of what the requests could save at most (`potential`): points
-    tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0,), margin=0.03, tie=0.0))
+    tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0,), seglen_weights=(), margin=0.03, tie=0.0))
     tuner.potential = 1000.0
     tuner.scores[:] = [100.0, 129.0]
     assert tuner._decide() is None and tuner.current == LRU  # leads by 2.9 points < 3
@@ -93,7 +93,7 @@ def test_margin_keeps_the_current_choice(toy):
 
 
 def test_decisions_only_at_epoch_ends_and_scores_decay(toy):
-    config = ShadowConfig(alpha_grid=(0.0, 5.0), epoch=7, half_life=50.0)
+    config = ShadowConfig(alpha_grid=(0.0, 5.0), seglen_weights=(), epoch=7, half_life=50.0)
     tuner = ShadowTuner(toy, 600, config)
     sampled_at_decision = []
     for sid, inp, out in contended_requests(400):
@@ -106,7 +106,7 @@ def test_decisions_only_at_epoch_ends_and_scores_decay(toy):
 
 
 def test_near_ties_go_to_the_largest_alpha_and_the_test_needs_evidence(toy):
-    tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0, 2.0), z=1.0, margin=0.0, tie=0.01))
+    tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0, 2.0), seglen_weights=(), z=1.0, margin=0.0, tie=0.01))
     tuner.potential = 100.0
     tuner.scores[:] = [1.0, 3.0, 3.0]
     assert tuner.leader() == 2
@@ -165,10 +165,12 @@ def test_sample_rate_too_small_for_two_states(toy):
 
 
 def test_choices_and_labels():
-    config = ShadowConfig(alpha_grid=parse_alpha_grid("0:1:0.5"))
-    assert config.choices == (LRU, 0.0, 0.5, 1.0) and config.start == LRU
-    assert [choice_label(c) for c in config.choices] == ["lru", "0", "0.5", "1"]
-    assert ShadowConfig(lru=False, alpha_grid=(2.0, 0.0)).choices == (0.0, 2.0)
+    config = ShadowConfig(alpha_grid=parse_alpha_grid("0:1:0.5"), seglen_weights=(100.0, 1.0))
+    assert config.choices == (LRU, 0.0, 0.5, 1.0, "seglen:1", "seglen:100") and config.start == LRU
+    assert [choice_label(c) for c in config.choices] == ["lru", "0", "0.5", "1", "seglen:1", "seglen:100"]
+    assert ShadowConfig(lru=False, alpha_grid=(2.0, 0.0), seglen_weights=()).choices == (0.0, 2.0)
+    assert [type(eviction_for(c)).__name__ for c in config.choices[::2]] == [
+        "LruLeafEviction", "FlopAwareEviction", "SegLenEviction"]
 
 
 # A live cache switching choices at random points keeps every invariant (bytes, candidate index,
@@ -176,7 +178,7 @@ def test_choices_and_labels():
 requests = st.lists(
     st.tuples(
         st.integers(0, 3), st.lists(st.integers(0, 3), min_size=1, max_size=25), st.lists(st.integers(0, 3), max_size=5),
-        st.sampled_from([None, LRU, 0.0, 2.0, 100.0]),  # the choice adopted after this request, if any
+        st.sampled_from([None, LRU, 0.0, 2.0, 100.0, "seglen:1", "seglen:50"]),  # adopted after this request
         st.booleans(),  # lock this request's hit node for the rest of the run
     ),
     min_size=1,
@@ -186,7 +188,7 @@ PREFIXES = [[], list(range(100, 120)), list(range(200, 260)), list(range(100, 11
 
 
 @settings(max_examples=80, deadline=None)
-@given(requests, st.integers(60, 500), st.sampled_from([LRU, 0.0, 20.0]))
+@given(requests, st.integers(60, 500), st.sampled_from([LRU, 0.0, 20.0, "seglen:5"]))
 def test_switching_choices_mid_stream_keeps_invariants(toy_profile, reqs, capacity, start):
     cache = HybridPrefixCache(toy_profile, capacity, eviction_for(start))
     locked = []
@@ -201,7 +203,8 @@ def test_switching_choices_mid_stream_keeps_invariants(toy_profile, reqs, capaci
         if switch_to is not None:
             adopt_choice(cache, switch_to)
             cache.check_invariants()
-            assert cache.eviction.name == ("lru-leaves" if switch_to == LRU else "marconi")
+            assert cache.eviction.name == {LRU: "lru-leaves", "seglen:1": "seglen", "seglen:50": "seglen"}.get(
+                switch_to, "marconi")
         for node, end in locked:
             assert node.parent is not None and node.end == end and node.has_state
     for node, _ in locked:

@@ -14,6 +14,7 @@ bounds the KV alone and at most `state_slots` states are cached.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +84,7 @@ class HybridPrefixCache:
         self.capacity_bytes = int(capacity_bytes)
         self.state_slots = None if state_slots is None else int(state_slots)
         self.eviction = eviction if eviction is not None else FlopAwareEviction(0.0)
+        self._node_value = self._value_of(self.eviction)
         self.checkpoint_grid = checkpoint_grid
         self.kv_bytes_per_token = int(profile.kv_bytes_per_token)
         self.ssm_state_bytes = int(profile.ssm_state_bytes)
@@ -305,14 +307,20 @@ class HybridPrefixCache:
         if eviction is self.eviction:
             return
         self.eviction = eviction
+        self._node_value = self._value_of(eviction)
         for node in self.tree.nodes():
             self._refresh(node)
+
+    def _value_of(self, eviction: EvictionPolicy):
+        """The candidate index's second column: FLOP efficiency, unless the policy brings its own."""
+        value = getattr(eviction, "node_value", None)
+        return self.flop_efficiency if value is None else functools.partial(value, self)
 
     def _refresh(self, node: Node) -> None:
         if node is self.tree.root:
             return
         if self._is_candidate(node):
-            eff = self.flop_efficiency(node)
+            eff = self._node_value(node)
             if node.slot < 0:
                 node.slot = self.index.add(node, node.last_access, eff)
             else:

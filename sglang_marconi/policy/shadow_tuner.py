@@ -8,13 +8,18 @@ shadow cache per candidate choice, all kept running on the same sample of sessio
   (SGLang's LRU refreshes the whole matched path, Marconi only the node hit). Just before its
   first eviction it forks into one shadow per candidate, so a cache that never fills costs one
   shadow, not one per candidate.
+- Candidates: SGLang's LRU, FLOP-aware eviction at each alpha of the grid (alpha = 0 is its own
+  choice: LRU over Marconi's candidates, refreshing only the node hit), and SegLen-style eviction
+  at each of its weights (`eviction/seglen.py`).
 - Scores: per candidate, an exponentially decayed sum (half-life `half_life` sampled requests)
   of what its shadow saved on each sampled request: prefill FLOPs (`objective="flops"`) or hit
-  tokens. Sums start at the fork (before it all candidates score the same).
-- Decisions: every `epoch` sampled requests after the fork, the leader (highest score) replaces
-  the current choice only if it leads by more than `margin` of the current score *and* by more
-  than `z` standard errors of the decayed per-request differences (a paired test, so a few
-  lucky hits early on do not make the live cache flap).
+  tokens. Sums start at the fork (before it all candidates score the same). `potential` is the
+  same decayed sum of what the requests could save at most (their whole inputs).
+- Decisions: every `epoch` sampled requests after the fork, the leader (the last listed among the
+  choices within `tie` x potential of the best) replaces the current choice only if it leads it by
+  more than `margin` x potential (points, as the targets are) *and* by more than `z` standard
+  errors of the decayed per-request differences (a paired test, so a few lucky hits early on do
+  not make the live cache flap).
 
 The tuner never touches the live cache: `observe()` returns the new choice when it switches and
 the caller adopts it (`adopt_choice` for the policy core's cache, the serving runtime for
@@ -32,18 +37,20 @@ from typing import Sequence
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction
+from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
 from sglang_marconi.policy.eviction.flop_aware import check_alpha
 from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.radix_tree import Node, Walk, as_token_array
 from sglang_marconi.policy.sampling import check_rate, session_in_sample
 
 LRU = "lru"  # the choice that stands for SGLang's LRU (leaves only, whole-path refresh)
+SEGLEN = "seglen"  # "seglen:W": SegLen-style eviction with weight W (`eviction/seglen.py`)
 OBJECTIVES = ("flops", "token_hit_rate")
-Choice = float | str
+Choice = float | str  # an alpha of FLOP-aware eviction, LRU, or "seglen:W"
 # Large alphas matter: with both terms min-max normalized, alpha >> 1 ranks by FLOP efficiency
 # first (recency breaks near-ties), which wins by 10-20 points on contended chat traces.
-DEFAULT_ALPHA_GRID = (0.0, 1.0, 2.0, 20.0, 100.0)
+DEFAULT_ALPHA_GRID = (0.0, 1.0, 20.0, 100.0)
+DEFAULT_SEGLEN_WEIGHTS = (1.0, 100.0)
 
 
 def parse_alpha_grid(text: str) -> tuple[float, ...]:
@@ -56,28 +63,35 @@ def parse_alpha_grid(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(","))
 
 
+def seglen_choice(weight: float) -> str:
+    return f"{SEGLEN}:{check_alpha(weight):g}"
+
+
 def choice_label(choice: Choice) -> str:
-    return LRU if choice == LRU else f"{float(choice):g}"
+    return choice if isinstance(choice, str) else f"{float(choice):g}"
 
 
 def eviction_for(choice: Choice) -> EvictionPolicy:
-    return LruLeafEviction() if choice == LRU else FlopAwareEviction(float(choice))
+    if choice == LRU:
+        return LruLeafEviction()
+    if isinstance(choice, str):
+        return SegLenEviction(float(choice.partition(":")[2]))
+    return FlopAwareEviction(float(choice))
 
 
 def adopt_choice(cache: HybridPrefixCache, choice: Choice) -> None:
-    """Switch a policy-core cache to `choice` (LRU, or FLOP-aware eviction at that alpha)."""
-    if choice == LRU:
-        if not isinstance(cache.eviction, LruLeafEviction):
-            cache.set_eviction(LruLeafEviction())
-    elif isinstance(cache.eviction, FlopAwareEviction):
-        cache.eviction.alpha = float(choice)
-    else:
-        cache.set_eviction(FlopAwareEviction(float(choice)))
+    """Switch a policy-core cache to `choice`; a change of weight alone keeps the policy object."""
+    wanted = eviction_for(choice)
+    if type(cache.eviction) is type(wanted) and not isinstance(wanted, LruLeafEviction):
+        cache.eviction.alpha = wanted.alpha  # same score columns: only the weight changes
+    elif type(cache.eviction) is not type(wanted):
+        cache.set_eviction(wanted)
 
 
 @dataclass(frozen=True)
 class ShadowConfig:
     alpha_grid: tuple[float, ...] = DEFAULT_ALPHA_GRID
+    seglen_weights: tuple[float, ...] = DEFAULT_SEGLEN_WEIGHTS  # SegLen-style candidates (may be empty)
     lru: bool = True  # SGLang's LRU is a candidate too (and the starting choice)
     objective: str = "flops"
     sample_rate: float = 1.0
@@ -86,13 +100,13 @@ class ShadowConfig:
     margin: float = 0.005  # lead the leader needs, as a share of what the requests could save at most
     z: float = 1.0  # and this many standard errors of the paired differences
     tie: float = 0.01  # choices within this share (of the same) of the best score tie for the lead
-    first: Choice | None = None  # the choice before the first decision (None: the first candidate)
 
     def __post_init__(self):
         if not self.alpha_grid:
             raise MarconiError("alpha_grid is empty")
         grid = tuple(sorted({check_alpha(a) for a in self.alpha_grid}))
         object.__setattr__(self, "alpha_grid", grid)
+        object.__setattr__(self, "seglen_weights", tuple(sorted({check_alpha(w) for w in self.seglen_weights})))
         if self.objective not in OBJECTIVES:
             raise MarconiError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         check_rate(self.sample_rate)
@@ -107,11 +121,12 @@ class ShadowConfig:
 
     @property
     def choices(self) -> tuple[Choice, ...]:
-        return ((LRU,) if self.lru else ()) + self.alpha_grid
+        """In the order ties are broken (the last of near-equals leads): LRU, the alphas, SegLen."""
+        return ((LRU,) if self.lru else ()) + self.alpha_grid + tuple(map(seglen_choice, self.seglen_weights))
 
     @property
     def start(self) -> Choice:
-        return self.choices[0] if self.first is None else self.first
+        return self.choices[0]
 
 
 @dataclass
@@ -218,8 +233,8 @@ class ShadowTuner:
 
     def leader(self) -> int:
         """Index of the choice to lead: among those within `tie` of the best score, the last listed
-        (the largest alpha). Right after the fork the alphas still behave alike, and the
-        efficiency-first ones are those whose gains show only later."""
+        (SegLen, then the largest alpha). Right after the fork the choices still behave alike, and
+        the value-first ones are those whose gains show only later."""
         top = self.scores.max()
         return int(np.flatnonzero(self.scores >= top - self.config.tie * self.potential)[-1])
 

@@ -12,7 +12,9 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.shadow_tuner import DEFAULT_ALPHA_GRID, OBJECTIVES, ShadowConfig, parse_alpha_grid
+from sglang_marconi.policy.shadow_tuner import (
+    DEFAULT_ALPHA_GRID, DEFAULT_SEGLEN_WEIGHTS, OBJECTIVES, ShadowConfig, parse_alpha_grid,
+)
 
 ENV_VAR = "SGLANG_MARCONI_CONFIG"
 
@@ -21,6 +23,7 @@ ENV_VAR = "SGLANG_MARCONI_CONFIG"
 class MarconiServingConfig:
     alpha: float | None = None  # None: tuned online ("auto")
     alpha_grid: tuple[float, ...] = DEFAULT_ALPHA_GRID
+    seglen_weights: tuple[float, ...] = DEFAULT_SEGLEN_WEIGHTS
     retune: bool = True  # off: adopt the tuner's first decision and stop tuning (the paper tunes once)
     objective: str = "flops"
     admission: bool = True  # Marconi's admission (<= 2 SSM states per request); off: upstream's
@@ -33,7 +36,8 @@ class MarconiServingConfig:
     extra: dict = field(default_factory=dict)
 
     def tuning(self) -> ShadowConfig:
-        return ShadowConfig(alpha_grid=self.alpha_grid, objective=self.objective, sample_rate=self.tune_sample_rate,
+        return ShadowConfig(alpha_grid=self.alpha_grid, seglen_weights=self.seglen_weights, objective=self.objective,
+                            sample_rate=self.tune_sample_rate,
                             epoch=self.tune_epoch, margin=self.tune_margin)
 
     def to_env(self) -> str:
@@ -47,6 +51,7 @@ class MarconiServingConfig:
         try:
             data = json.loads(raw)
             data["alpha_grid"] = tuple(data.get("alpha_grid", DEFAULT_ALPHA_GRID))
+            data["seglen_weights"] = tuple(data.get("seglen_weights", DEFAULT_SEGLEN_WEIGHTS))
             return cls(**data)
         except (ValueError, TypeError) as exc:
             raise MarconiError(f"{ENV_VAR} holds no valid Marconi settings ({exc}): {raw[:200]!r}") from None
@@ -75,6 +80,18 @@ def _grid(text: str) -> tuple[float, ...]:
         raise _flag_error("--marconi-alpha-grid", text, "expected START:STOP:STEP or a comma list of alphas") from None
 
 
+def _weights(text: str) -> tuple[float, ...]:
+    if text == "none":
+        return ()
+    try:
+        weights = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise _flag_error("--marconi-seglen-weights", text, "expected a comma list of weights or 'none'") from None
+    if not all(w >= 0 for w in weights):
+        raise _flag_error("--marconi-seglen-weights", text, "weights must be >= 0")
+    return weights
+
+
 def _number(flag: str, text: str, kind=float):
     try:
         return kind(text)
@@ -87,6 +104,8 @@ def add_marconi_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--marconi-alpha", default="auto", help="FLOP-aware eviction weight, or 'auto' to tune online")
     g.add_argument("--marconi-alpha-grid", default=",".join(f"{a:g}" for a in DEFAULT_ALPHA_GRID),
                    help="alphas the tuner's shadow caches run beside SGLang's LRU (START:STOP:STEP or list)")
+    g.add_argument("--marconi-seglen-weights", default=",".join(f"{w:g}" for w in DEFAULT_SEGLEN_WEIGHTS),
+                   help="weights of the SegLen-style candidates (recency + replay length), or 'none'")
     g.add_argument("--marconi-retune", default="on", help="on: follow the tuner; off: adopt its first decision only")
     g.add_argument("--marconi-objective", default="flops", help=f"tuning objective: {', '.join(OBJECTIVES)}")
     g.add_argument("--marconi-admission", default="on", help="on: at most two SSM states per request; off: upstream's")
@@ -116,6 +135,7 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
     config = MarconiServingConfig(
         alpha=_alpha(ns.marconi_alpha),
         alpha_grid=_grid(ns.marconi_alpha_grid),
+        seglen_weights=_weights(ns.marconi_seglen_weights),
         retune=_on_off("--marconi-retune", ns.marconi_retune),
         objective=ns.marconi_objective,
         admission=_on_off("--marconi-admission", ns.marconi_admission),

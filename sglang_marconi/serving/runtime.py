@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_marconi.policy.shadow_tuner import LRU, Choice, ShadowTuner, choice_label
+from sglang_marconi.policy.eviction import SegLenEviction
+from sglang_marconi.policy.shadow_tuner import LRU, Choice, ShadowTuner, choice_label, eviction_for, seglen_choice
 
 log = logging.getLogger("sglang_marconi")
 
@@ -102,14 +103,20 @@ class MarconiRuntime:
 
     @property
     def choice(self) -> Choice:
-        return LRU if self.settings.use_upstream_lru else self.settings.alpha
+        s = self.settings
+        if s.use_upstream_lru:
+            return LRU
+        return seglen_choice(s.alpha) if s.value_kind == "seglen" else s.alpha
 
     def _adopt(self, choice: Choice) -> None:
+        s = self.settings
         if choice == LRU:
-            self.settings.use_upstream_lru = True
-        else:
-            self.settings.use_upstream_lru = False
-            self.settings.alpha = float(choice)
+            s.use_upstream_lru = True
+            return
+        eviction = eviction_for(choice)  # the weight and the kind of value column it ranks by
+        s.use_upstream_lru = False
+        s.value_kind = "seglen" if isinstance(eviction, SegLenEviction) else "flops"
+        s.alpha = eviction.alpha
 
     def on_match(self, rid: str, full_kv_hit: int) -> None:
         # A waiting request is matched again at each scheduling round; the last match is the
@@ -165,7 +172,8 @@ class MarconiRuntime:
             "marconi_prefill_flops_saved": f.flops_saved,
             "marconi_prefill_flops_saved_fraction": f.flops_saved / f.flops_total if f.flops_total else 0.0,
             "marconi_alpha": self.alpha,
-            "marconi_eviction_policy": "lru" if self.settings.use_upstream_lru else "marconi",
+            "marconi_eviction_policy": "lru" if self.settings.use_upstream_lru else (
+                "seglen" if self.settings.value_kind == "seglen" else "marconi"),
             "marconi_choice": choice_label(self.choice),
             "marconi_shadow_scores": tuner.scores() if tuner is not None else {},
             "marconi_tuner_requests_fed": tuner.fed if tuner is not None else 0,

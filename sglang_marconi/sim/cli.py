@@ -43,6 +43,15 @@ def _alpha_grid(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"cannot read alpha grid {text!r}: use START:STOP:STEP or a comma list") from None
 
 
+def _seglen_weights(text: str) -> tuple[float, ...]:
+    if text == "none":
+        return ()
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read SegLen weights {text!r}: use a comma list or 'none'") from None
+
+
 def _sample_rate(text: str) -> float | None:
     if text == "auto":
         return None
@@ -76,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-grid", type=int, default=1, help="branch checkpoints land on multiples of this (chunked prefill)")
     p.add_argument("--alpha-grid", type=_alpha_grid, default=ShadowConfig.alpha_grid,
                    help="alphas the tuner's shadows run beside SGLang's LRU: START:STOP:STEP or comma list")
+    p.add_argument("--seglen-weights", type=_seglen_weights, default=ShadowConfig.seglen_weights,
+                   help="weights of the SegLen-style candidates beside them: comma list, or 'none'")
     p.add_argument("--objective", default="flops", choices=("flops", "token_hit_rate"))
     p.add_argument("--tune-sample-rate", type=_sample_rate, default=None,
                    help="share of sessions the shadow caches see ('auto': by trace size and capacity)")
@@ -105,7 +116,8 @@ def run(args: argparse.Namespace) -> list[RunResult]:
         raise MarconiError("--capacity-blocks sizes only kv-* policies, and --policies names none")
     profile = load_profile(args.model)
     workload = load_workload(args.trace or args.workload or DEFAULT_WORKLOAD, args.mooncake_tokens)
-    tuning = ShadowConfig(alpha_grid=args.alpha_grid, objective=args.objective, epoch=args.tune_epoch,
+    tuning = ShadowConfig(alpha_grid=args.alpha_grid, seglen_weights=args.seglen_weights, objective=args.objective,
+                          epoch=args.tune_epoch,
                           margin=args.tune_margin, sample_rate=args.tune_sample_rate or 1.0)
     trace = None
     runs = []

@@ -1,6 +1,6 @@
 """`marconi-best`: the best fixed eviction choice in hindsight, the bound a tuner chases.
 
-Every candidate of the tuner (SGLang's LRU and FLOP-aware eviction at each alpha of the grid) is
+Every candidate of the tuner (SGLang's LRU, FLOP-aware eviction at each alpha, SegLen at each weight) is
 replayed over the whole trace with that choice fixed; the best by the tuning objective (FLOPs
 saved, or hit tokens; ties to the first listed) is reported as `marconi-best`, with every
 candidate's figures under `candidates` and the sum of their replays as its wall time.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sglang_marconi.policy.shadow_tuner import LRU, ShadowConfig, choice_label
-from sglang_marconi.sim.baselines.hybrid_radix import marconi, sglang_plus
+from sglang_marconi.policy.shadow_tuner import ShadowConfig, choice_label, eviction_for
+from sglang_marconi.sim.baselines.hybrid_radix import HybridRadixPolicy
 from sglang_marconi.sim.replay import RunResult, replay
 from sglang_marconi.sim.workload import Workload
 
@@ -22,8 +22,8 @@ def replay_best(workload: Workload, profile, capacity_bytes: int, config: Shadow
                 checkpoint_grid: int = 1, **replay_kwargs) -> RunResult:
     runs = []
     for choice in config.choices:
-        policy = (sglang_plus(profile, capacity_bytes, checkpoint_grid=checkpoint_grid) if choice == LRU else
-                  marconi(profile, capacity_bytes, alpha=float(choice), checkpoint_grid=checkpoint_grid))
+        policy = HybridRadixPolicy(choice_label(choice), profile, capacity_bytes, eviction_for(choice),
+                                   checkpoint_grid=checkpoint_grid)
         runs.append((choice, replay(workload, policy, profile, capacity_bytes, **replay_kwargs)))
     key = (lambda r: r.flops_saved) if config.objective == "flops" else (lambda r: r.hit_tokens)
     best_choice, best = max(runs, key=lambda cr: key(cr[1]))  # max keeps the first of equals

@@ -47,9 +47,11 @@ class RunResult:
     best_choice: str | None = None
 
     def choice_history(self) -> list[tuple[int, str]]:
-        """(request index, choice) at each adoption: an alpha, or 'lru' (SGLang's LRU, which
-        `alpha_history` records as alpha 0, like FLOP-aware eviction at alpha 0)."""
-        return [(at, "lru" if name == "lru-leaves" else f"{alpha:g}")
+        """(request index, choice) at each adoption: an alpha, 'lru' (SGLang's LRU, which
+        `alpha_history` records as alpha 0, like FLOP-aware eviction at alpha 0) or 'seglen:W'
+        (`alpha_history` records its weight W)."""
+        labels = {"lru-leaves": lambda a: "lru", "seglen": lambda a: f"seglen:{a:g}"}
+        return [(at, labels.get(name, lambda a: f"{a:g}")(alpha))
                 for (at, alpha), (_, name) in zip(self.alpha_history, self.stats.eviction_history or [])]
 
     def choices_used(self) -> list[str]:

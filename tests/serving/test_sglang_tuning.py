@@ -16,7 +16,7 @@ from sglang_cpu import build_marconi_serving as marconi_serving  # noqa: E402
 from sglang_cpu import run_request  # noqa: E402
 
 from sglang_marconi.policy.model_profile import load_profile  # noqa: E402
-from sglang_marconi.policy.shadow_tuner import LRU, ShadowTuner  # noqa: E402
+from sglang_marconi.policy.shadow_tuner import LRU, ShadowTuner, choice_label  # noqa: E402
 from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
 
@@ -64,7 +64,7 @@ def wait_ready(runtime, timeout=60):
         time.sleep(0.02)
 
 
-CONFIG = MarconiServingConfig(alpha=None, alpha_grid=(0.0, 2.0, 20.0))
+CONFIG = MarconiServingConfig(alpha=None, alpha_grid=(0.0, 2.0, 20.0), seglen_weights=(50.0,))
 
 
 def test_background_tuner_decides_as_the_simulator_does_on_the_same_stream():
@@ -84,9 +84,9 @@ def test_background_tuner_decides_as_the_simulator_does_on_the_same_stream():
     assert served.decisions == sim.log.decisions and len(served.decisions) > 1
     assert served.requests == sim.log.requests == 120 and served.forked_at == sim.log.forked_at
     figures = runtime.metrics(cc.cache)
-    assert figures["marconi_choice"] == str(served.decisions[-1][1]).replace(".0", "") != LRU
-    assert figures["marconi_alpha"] == runtime.alpha == served.decisions[-1][1]
-    assert set(figures["marconi_shadow_scores"]) == {"lru", "0", "2", "20"}
+    assert figures["marconi_choice"] == choice_label(served.decisions[-1][1]) != LRU
+    assert runtime.choice == served.decisions[-1][1]
+    assert set(figures["marconi_shadow_scores"]) == {"lru", "0", "2", "20", "seglen:50"}
     assert list(figures["marconi_shadow_scores"].values()) == pytest.approx(list(sim.scores))
     assert figures["marconi_tuner_requests_fed"] == figures["marconi_tuner_requests_observed"] == 120
 
@@ -137,6 +137,21 @@ def test_retune_off_adopts_the_first_decision_only():
     drive(cc, 120)
     assert runtime.tuner.tuner.log.decisions[1][1] == runtime.choice != LRU  # the first switch, kept
     assert runtime.tuner.fed < 120  # nothing fed after it
+
+
+def test_seglen_choice_ranks_by_replay_length_in_sglangs_cache():
+    cc, runtime = marconi_serving(MarconiServingConfig(alpha=0.0), kv_size=2500, mamba_size=8)  # no tuner
+    runtime._adopt("seglen:100")  # as the tuner would
+    assert runtime.choice == "seglen:100" and runtime.metrics(cc.cache)["marconi_eviction_policy"] == "seglen"
+    drive(cc, 40)
+    index = cc.cache.marconi_index
+    index.check()  # every entry equals a from-scratch evaluation, replay lengths included
+    assert all(e == int(e) for e in index.indexes[0].efficiency[: len(index.indexes[0])])  # token counts
+    assert runtime.settings.counters.evictions_leaf > 0 and runtime.settings.counters.stale_repairs == 0
+    runtime._adopt(1.0)  # back to FLOP efficiency: the index is rebuilt at the next eviction
+    drive(cc, 20)
+    index.check()
+    runtime.close()
 
 
 def test_fixed_alpha_does_not_tune():

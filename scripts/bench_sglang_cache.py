@@ -209,6 +209,18 @@ class Cell:
         return (float(np.median(x)), float(np.percentile(x, 99)), len(x)) if len(x) else (math.nan, math.nan, 0)
 
 
+def _timed(fn, record):
+    """`fn`, calling `record(nanoseconds)` after each call."""
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record(time.perf_counter_ns() - t0)
+
+    return timed
+
+
 class Probe:
     """Exclusive timings: an operation's sample excludes the outermost evictions and the pool
     tensor operations (`allocator.free`, `MambaPool.copy_from`) made inside it; an eviction's
@@ -230,27 +242,15 @@ class Probe:
 
     def _time_runtime(self, fn):
         # What Marconi's runtime costs the scheduler thread per request: figures, and with tuning
-        # the feed to the shadow tuner and the poll for its choice (inside `release`'s time too).
-        def timed_runtime(*args, **kwargs):
-            t0 = time.perf_counter_ns()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.cell.runtime_ns.append(time.perf_counter_ns() - t0)
-
-        return timed_runtime
+        # the hand-over to the shadow tuner and the read of its choice (inside `release`'s time too).
+        return _timed(fn, self.cell.runtime_ns.append)
 
     def _wrap_pool(self, fn):
-        def timed_pool(*args, **kwargs):
-            t0 = time.perf_counter_ns()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                dt = time.perf_counter_ns() - t0
-                self.pool_ns += dt
-                self.excluded_ns += dt
+        return _timed(fn, self._add_pool_time)
 
-        return timed_pool
+    def _add_pool_time(self, dt: int) -> None:
+        self.pool_ns += dt
+        self.excluded_ns += dt
 
     def _count_victims(self, fn):
         # One eviction step: a leaf to delete (node id) or one in-place mutation (a tombstone).

@@ -28,15 +28,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sglang_marconi.policy.alpha_tuner import TuningConfig
 from sglang_marconi.policy.model_profile import load_profile
-from sglang_marconi.sim.cli import auto_sample_rate
+from sglang_marconi.policy.shadow_tuner import ShadowConfig
 from sglang_marconi.sim.kv_blocks.registry import build_block_cache
 from sglang_marconi.sim.kv_blocks.replay import replay_blocks
 from sglang_marconi.sim.kv_blocks.view import block_trace
 from sglang_marconi.sim.policies import build_policy
 from sglang_marconi.sim.replay import replay
 from sglang_marconi.sim.traces import load_trace
+from sglang_marconi.sim.tuning import shadow_config_for
 from sglang_marconi.sim.units import format_bytes
 
 MOONCAKE = Path(__file__).resolve().parents[1].parent / "shared/data/mooncake/conversation_trace.jsonl"
@@ -112,7 +112,6 @@ def main(argv=None) -> int:
     rows = []  # {policy, source, capacity_gb, capacity_blocks, token_hit_rate, wall_seconds}
     cells = [("ours", s) for s in KV_POLICIES] + [("libcachesim", s) for s in (LCS_POLICIES if lcs else ())]
     hybrid = () if args.no_hybrid else HYBRID_POLICIES
-    tuning = TuningConfig(sample_rate=auto_sample_rate(len(workload), len(TuningConfig().alpha_grid), 2))
     bar = tqdm(total=(len(cells) + len(hybrid)) * len(caps) + 1, desc="bench kv blocks", unit="run")
     bound = replay_blocks(trace, build_block_cache("kv-lru", distinct), profile, progress=False)
     bar.update()
@@ -128,6 +127,7 @@ def main(argv=None) -> int:
             bar.update()
         for name in hybrid:
             cap = int(gb * 1e9)
+            tuning = shadow_config_for(workload, profile, cap, ShadowConfig(), None)
             run = replay(workload, build_policy(name, profile, cap, tuning=tuning), profile, cap, progress=False)
             rows.append(dict(policy=name, source=f"hybrid ({args.hybrid_tokens})", capacity_gb=gb,
                              capacity_blocks=None, token_hit_rate=run.token_hit_rate, wall_seconds=run.wall_seconds))

@@ -178,6 +178,13 @@ class Cell:
     evict_kinds: list = field(default_factory=list)  # per evict call: "kv" (tokens asked) or "mamba"
     evict_freed_kv: list = field(default_factory=list)  # per evict call: whether it deleted a leaf
     match_hits: list = field(default_factory=list)  # per match: whether it hit
+    runtime_ns: list = field(default_factory=list)  # per request: Marconi's runtime on the scheduler thread
+    choices: list = field(default_factory=list)  # eviction choices the tuner adopted, in order
+    tuner_dropped: int = 0
+
+    def runtime_stat(self):
+        x = np.asarray(self.runtime_ns, dtype=float) / 1e3
+        return (float(np.median(x)), float(np.percentile(x, 99)), len(x)) if len(x) else (math.nan, math.nan, 0)
 
     @property
     def hit_rate(self) -> float:
@@ -202,6 +209,18 @@ class Cell:
         return (float(np.median(x)), float(np.percentile(x, 99)), len(x)) if len(x) else (math.nan, math.nan, 0)
 
 
+def _timed(fn, record):
+    """`fn`, calling `record(nanoseconds)` after each call."""
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record(time.perf_counter_ns() - t0)
+
+    return timed
+
+
 class Probe:
     """Exclusive timings: an operation's sample excludes the outermost evictions and the pool
     tensor operations (`allocator.free`, `MambaPool.copy_from`) made inside it; an eviction's
@@ -217,18 +236,21 @@ class Probe:
         pool.copy_from = self._wrap_pool(pool.copy_from)
         slots = cc.req_to_token_pool.mamba_allocator
         slots.free = self._wrap_pool(slots.free)
+        runtime = getattr(cc, "runtime", None)
+        if runtime is not None:
+            runtime.on_release = self._time_runtime(runtime.on_release)
+
+    def _time_runtime(self, fn):
+        # What Marconi's runtime costs the scheduler thread per request: figures, and with tuning
+        # the hand-over to the shadow tuner and the read of its choice (inside `release`'s time too).
+        return _timed(fn, self.cell.runtime_ns.append)
 
     def _wrap_pool(self, fn):
-        def timed_pool(*args, **kwargs):
-            t0 = time.perf_counter_ns()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                dt = time.perf_counter_ns() - t0
-                self.pool_ns += dt
-                self.excluded_ns += dt
+        return _timed(fn, self._add_pool_time)
 
-        return timed_pool
+    def _add_pool_time(self, dt: int) -> None:
+        self.pool_ns += dt
+        self.excluded_ns += dt
 
     def _count_victims(self, fn):
         # One eviction step: a leaf to delete (node id) or one in-place mutation (a tombstone).
@@ -274,7 +296,8 @@ class Probe:
 
 def build(config: str, kv_size: int, mamba_size: int, max_context_len: int):
     """upstream: `build_cache` on either tree core; marconi: what `--radix-cache-backend marconi`
-    builds (our components + admission + cache class + runtime), alpha fixed (no tuning)."""
+    builds (our components + admission + cache class + runtime), alpha fixed or tuned by the
+    shadow tuner's background process (started, as in a server, before the first request)."""
     from sglang_cpu import build_cache, build_marconi_serving
 
     from sglang_marconi.serving.config import MarconiServingConfig
@@ -284,11 +307,14 @@ def build(config: str, kv_size: int, mamba_size: int, max_context_len: int):
         return build_cache(**kw)
     if config == "lru-rust":
         return build_cache(tree_core_backend="rust", **kw)
-    alpha = {"marconi-a0": 0.0, "marconi-a1": 1.0}.get(config)
+    alpha = float(config.removeprefix("marconi-a")) if config.startswith("marconi-a") and config != "marconi-auto" else None
     config_ = MarconiServingConfig(alpha=alpha, admission=config != "marconi-evict", tune_workers=1)
     cc, runtime = build_marconi_serving(config_, **kw)
     cc.settings = runtime.settings
     cc.runtime = runtime
+    deadline = time.monotonic() + 60
+    while runtime.tuner is not None and not runtime.tuner.ready and time.monotonic() < deadline:
+        time.sleep(0.01)  # a server's tuner starts with the scheduler, before any request
     return cc
 
 
@@ -348,8 +374,12 @@ def run_cell(config, kv_size, mamba_size, info: TraceInfo, chunk, profile, bar) 
         cell.requests += 1
         if bar is not None:
             bar.update(1)
-    if getattr(cc, "runtime", None) is not None:
-        cc.runtime.close()  # a tuning replay still in flight
+    runtime = getattr(cc, "runtime", None)
+    if runtime is not None:
+        runtime.close()  # waits for the shadow tuner to observe what it was fed
+        if runtime.tuner is not None:
+            cell.choices = [label for _, label in _labels(runtime.tuner_log.decisions if runtime.tuner_log else [])]
+            cell.tuner_dropped = runtime.tuner.dropped
     cell.wall_s = time.perf_counter() - t0
     cell.pool_s = probe.pool_ns / 1e9
     cc.check_no_leak()
@@ -357,6 +387,12 @@ def run_cell(config, kv_size, mamba_size, info: TraceInfo, chunk, profile, bar) 
     if getattr(cc, "settings", None) is not None:
         assert cc.settings.counters.stale_repairs == 0
     return cell
+
+
+def _labels(decisions):
+    from sglang_marconi.policy.shadow_tuner import choice_label
+
+    return [(at, choice_label(c)) for at, c in decisions]
 
 
 def warm_up(chunk):
@@ -405,6 +441,10 @@ def us(stat):
     return "-" if not n else f"{med:.0f} ({p99:.0f})"
 
 
+def tuner_drops(c: Cell) -> str:
+    return f" ({c.tuner_dropped} dropped)" if c.tuner_dropped else ""
+
+
 def tree_us_per_request(c: Cell) -> float:
     return sum(sum(c.samples[op]) for op in OPS) / 1e3 / max(c.requests, 1)
 
@@ -421,15 +461,17 @@ def table(name, desc, info: TraceInfo, cells: list[Cell], chunk) -> str:
         "| states / req | match µs | checkpoint µs | release µs | evict µs (calls) | victims / call "
         "| evict µs / victim | median vs py: match / ckpt / release / evict call / evict victim "
         "| like for like vs py: match hit / miss, evict kv / mamba (leaf / state) "
-        "| tree µs / req (vs py) | pool ops s | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tree µs / req (vs py) | vs rust | runtime µs / req (p99) | choices | pool ops s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {}
+    base, rust = {}, {}
     expected_core = {"lru-rust": "rust"}
     for c in cells:
         key = (c.kv_size, c.mamba_size)
         if c.config == "lru-py":
             base[key] = c
+        if c.config == "lru-rust":
+            rust[key] = c
         b = base[key]
         st = {op: c.stat(op) for op in (*OPS, PER_VICTIM)}
         bst = {op: b.stat(op) for op in (*OPS, PER_VICTIM)}
@@ -445,7 +487,8 @@ def table(name, desc, info: TraceInfo, cells: list[Cell], chunk) -> str:
             f"| {ratio(c.hit_rate, b.hit_rate)} | {c.flops_saved / 1e15:.2f} | {ratio(c.flops_saved, b.flops_saved)} "
             f"| {c.states_end / c.requests:.2f} | {us(st['match'])} | {us(st['checkpoint'])} | {us(st['release'])} "
             f"| {us(st['evict'])} ({st['evict'][2]:,}) | {per_call} | {us(st[PER_VICTIM])} | {ratios} | {like} "
-            f"| {tree:.0f} ({ratio(tree, btree)}) "
+            f"| {tree:.0f} ({ratio(tree, btree)}) | {ratio(tree, tree_us_per_request(rust[key])) if key in rust else '-'} "
+            f"| {us(c.runtime_stat())} | {' > '.join(c.choices) or '-'}{tuner_drops(c)} "
             f"| {c.pool_s:.2f} | {c.wall_s:.1f} |"
         )
     return "\n".join(lines)
@@ -487,7 +530,8 @@ def targets(results) -> str:
                     checked_in_view[0] += 1
                     if m > 1.2 * bm:
                         misses.append(f"{name} {key[0]:,}/{key[1]:,} {c.config} {op}: {m / bm:.2f}x")
-    out = [f"- hit rate >= upstream (max of lru-py, lru-rust): {cells - len(hit_miss)} of {cells} Marconi cells"]
+    out = [auto_targets(results)]
+    out.append(f"- hit rate >= upstream (max of lru-py, lru-rust): {cells - len(hit_miss)} of {cells} Marconi cells")
     out += [f"  - missed: {m}" for m in hit_miss]
     out.append(f"- per-operation median <= 1.2x lru-py: {checked - len(op_miss)} of {checked} (cell, op) pairs")
     out += [f"  - missed: {m}" for m in op_miss]
@@ -498,6 +542,53 @@ def targets(results) -> str:
         out += [f"  - missed: {m}" for m in misses]
     out.append(f"- tree time per request <= 1.2x lru-py: {cells - len(tree_miss)} of {cells} Marconi cells")
     out += [f"  - missed: {m}" for m in tree_miss]
+    return "\n".join(out)
+
+
+AUTO_SLACK = 0.01  # marconi-auto may trail the best of lru-py, marconi-a0 and -a1 by 1 point of hit rate
+RUNTIME_MEDIAN_US = 20.0
+
+
+def auto_targets(results) -> str:
+    """marconi-auto >= best of (lru-py, marconi-a0, marconi-a1) - 1 point; Marconi's runtime on the
+    scheduler thread < 20 µs per request at the median (tuned configs); cache time per request
+    (match + checkpoint + release + evict) <= lru-rust's, for every Marconi config."""
+    quality, runtime, per_request = [], [], []
+    n_auto = n_tuned = n_ours = 0
+    for name, (_, _, cells_of) in results.items():
+        if name not in TARGET_TRACES:
+            continue
+        by = {}
+        for c in cells_of:
+            by.setdefault((c.kv_size, c.mamba_size), {})[c.config] = c
+        for (kv, mamba), row in by.items():
+            where = f"{name} {kv:,}/{mamba:,}"
+            auto = row.get("marconi-auto")
+            if auto is not None:
+                n_auto += 1
+                best = max((row[k] for k in ("lru-py", "marconi-a0", "marconi-a1") if k in row), key=lambda c: c.hit_rate)
+                if auto.hit_rate < best.hit_rate - AUTO_SLACK:
+                    quality.append(f"{where}: auto {100 * auto.hit_rate:.2f}% < {best.config} "
+                                   f"{100 * best.hit_rate:.2f}% - 1 (choices {' > '.join(auto.choices) or '-'})")
+            for c in row.values():
+                if c.config in ("marconi-auto", "marconi-evict"):
+                    n_tuned += 1
+                    med = c.runtime_stat()[0]
+                    if not med < RUNTIME_MEDIAN_US:
+                        runtime.append(f"{where} {c.config}: {med:.1f} µs")
+                if c.config.startswith("marconi") and "lru-rust" in row:
+                    n_ours += 1
+                    mine, theirs = tree_us_per_request(c), tree_us_per_request(row["lru-rust"])
+                    if mine > theirs:
+                        per_request.append(f"{where} {c.config}: {mine:.0f} vs {theirs:.0f} µs ({mine / theirs:.2f}x)")
+    out = [f"- marconi-auto >= best of lru-py, marconi-a0, marconi-a1 - 1 point: {n_auto - len(quality)} of {n_auto} cells"]
+    out += [f"  - missed: {m}" for m in quality]
+    out.append(f"- runtime on the scheduler thread < {RUNTIME_MEDIAN_US:g} µs per request (median, tuned configs): "
+               f"{n_tuned - len(runtime)} of {n_tuned} cells")
+    out += [f"  - missed: {m}" for m in runtime]
+    out.append(f"- cache time per request (match + checkpoint + release + evict) <= lru-rust: "
+               f"{n_ours - len(per_request)} of {n_ours} Marconi cells")
+    out += [f"  - missed: {m}" for m in per_request]
     return "\n".join(out)
 
 
@@ -563,7 +654,9 @@ def main(argv=None) -> int:
                        {"config": c.config, "backend": c.backend, "kv_size": c.kv_size, "mamba_size": c.mamba_size,
                         "hit_rate": c.hit_rate, "flops_saved": c.flops_saved, "states_end": c.states_end,
                         "requests": c.requests, "evicted_tokens": c.evicted_tokens, "evicted_states": c.evicted_states,
-                        "wall_s": c.wall_s, **{f"{op}_us": c.stat(op)[:2] for op in JSON_OPS},
+                        "wall_s": c.wall_s, "runtime_us": c.runtime_stat()[:2], "choices": c.choices,
+                        "tuner_dropped": c.tuner_dropped, "tree_us_per_request": tree_us_per_request(c),
+                        **{f"{op}_us": c.stat(op)[:2] for op in JSON_OPS},
                         **{f"{op}_n": c.stat(op)[2] for op in JSON_OPS}} for c in cells]}
             for name, (desc, info, cells) in results.items()}, indent=1))
     return 0

@@ -17,7 +17,9 @@ def parse(*argv):
 
 def test_defaults_and_round_trip_through_the_environment():
     config = parse()
-    assert config.alpha is None and config.bootstrap_multiplier == 5 and len(config.alpha_grid) == 21
+    assert config.alpha is None and config.alpha_grid == (0.0, 1.0, 20.0, 100.0) and config.tune_workers == 1
+    assert config.tuning().choices == ("lru", 0.0, 1.0, 20.0, 100.0, "seglen:1", "seglen:100")
+    assert parse("--marconi-seglen-weights", "none").tuning().choices[-1] == 100.0
     assert MarconiServingConfig.from_env({ENV_VAR: config.to_env()}) == config
     fixed = parse("--marconi-alpha", "0.7", "--marconi-alpha-grid", "0,1", "--marconi-admission", "off")
     assert (fixed.alpha, fixed.alpha_grid, fixed.admission) == (0.7, (0.0, 1.0), False)
@@ -26,7 +28,9 @@ def test_defaults_and_round_trip_through_the_environment():
 @pytest.mark.parametrize("flag, value", [
     ("--marconi-alpha", "-1"), ("--marconi-alpha", "lots"), ("--marconi-alpha-grid", "2:0:0.1"),
     ("--marconi-retune", "maybe"), ("--marconi-objective", "latency"), ("--marconi-admission", "yes"),
-    ("--marconi-bootstrap-multiplier", "0"), ("--marconi-tune-workers", "two"),
+    ("--marconi-bootstrap-multiplier", "0"), ("--marconi-tune-workers", "two"), ("--marconi-tune-workers", "-1"),
+    ("--marconi-tune-sample-rate", "1.5"), ("--marconi-tune-sample-rate", "half"), ("--marconi-tune-epoch", "0"),
+    ("--marconi-tune-margin", "-0.1"), ("--marconi-seglen-weights", "x"), ("--marconi-seglen-weights", "-1"),
 ])
 def test_bad_flag_values_name_the_flag(flag, value):
     with pytest.raises(MarconiError, match=flag):

@@ -7,11 +7,14 @@ checkpoint grid, as chunked prefill produces states). Eviction (§4.2) is delega
 choosing a victim never walks the tree.
 
 Bytes: `kv_bytes_per_token` per cached token plus `ssm_state_bytes` per checkpoint, both from
-the model profile; `used_bytes` never exceeds `capacity_bytes` once an admission returns.
+the model profile; `used_bytes` never exceeds `capacity_bytes` once an admission returns. With
+`state_slots` (two budgets, as a serving engine's KV pool and SSM-state pool), `capacity_bytes`
+bounds the KV alone and at most `state_slots` states are cached.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +54,7 @@ class CacheSnapshot:
     capacity_bytes: int
     checkpoint_grid: int
     page_size: int
+    state_slots: int | None = None
 
 
 class HybridPrefixCache:
@@ -62,10 +66,14 @@ class HybridPrefixCache:
         *,
         checkpoint_grid: int = 1,
         page_size: int = 1,
+        state_slots: int | None = None,
     ):
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, (int, np.integer)) or capacity_bytes <= 0:
             raise MarconiError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
-        if 2 * profile.ssm_state_bytes > capacity_bytes:
+        if state_slots is not None and (isinstance(state_slots, bool) or not isinstance(state_slots, (int, np.integer))
+                                        or state_slots < 2):
+            raise MarconiError(f"state_slots must be an integer >= 2 (one request's two states), got {state_slots!r}")
+        if state_slots is None and 2 * profile.ssm_state_bytes > capacity_bytes:
             raise MarconiError(
                 f"capacity_bytes={capacity_bytes} is smaller than one request's two SSM states "
                 f"(2 x {profile.ssm_state_bytes} bytes for {profile.name})"
@@ -74,7 +82,9 @@ class HybridPrefixCache:
             raise MarconiError(f"checkpoint_grid must be a positive integer, got {checkpoint_grid!r}")
         self.profile = profile
         self.capacity_bytes = int(capacity_bytes)
+        self.state_slots = None if state_slots is None else int(state_slots)
         self.eviction = eviction if eviction is not None else FlopAwareEviction(0.0)
+        self._node_value = self._value_of(self.eviction)
         self.checkpoint_grid = checkpoint_grid
         self.kv_bytes_per_token = int(profile.kv_bytes_per_token)
         self.ssm_state_bytes = int(profile.ssm_state_bytes)
@@ -150,12 +160,11 @@ class HybridPrefixCache:
             positions.insert(0, int(checkpoint_at))
         stateful_ends = {node.end for node in walk.path if node.has_state}
         new_states = sum(1 for p in positions if p not in stateful_ends)
-        needed = (n - walk.overlap) * self.kv_bytes_per_token + new_states * self.ssm_state_bytes
         deepest = walk.partial or walk.last
         if deepest is not None:
             self.lock(deepest)
         try:
-            if not self._make_room(needed):
+            if not self._make_room((n - walk.overlap) * self.kv_bytes_per_token, new_states):
                 self.counters.admissions_skipped += 1
                 return 0
             if n > walk.overlap:
@@ -203,13 +212,28 @@ class HybridPrefixCache:
             node = parent
 
     # -- eviction --------------------------------------------------------------------------------
-    def _make_room(self, needed: int) -> bool:
-        if needed > self.capacity_bytes:
-            return False
-        while self.free_bytes < needed:
-            if not len(self.index):
+    def _make_room(self, kv_bytes: int, new_states: int) -> bool:
+        if self.state_slots is None:
+            needed = kv_bytes + new_states * self.ssm_state_bytes
+            if needed > self.capacity_bytes:
                 return False
-            self.evict(self.eviction.choose(self.index))
+            while self.free_bytes < needed:
+                if not self._evict_one():
+                    return False
+            return True
+        kv_room = self.capacity_bytes - kv_bytes
+        state_room = self.state_slots - new_states
+        if kv_room < 0 or state_room < 0:
+            return False
+        while self.kv_tokens * self.kv_bytes_per_token > kv_room or self.ssm_states > state_room:
+            if not self._evict_one():
+                return False
+        return True
+
+    def _evict_one(self) -> bool:
+        if not len(self.index):
+            return False
+        self.evict(self.eviction.choose(self.index))
         return True
 
     def evict(self, node: Node) -> None:
@@ -283,14 +307,20 @@ class HybridPrefixCache:
         if eviction is self.eviction:
             return
         self.eviction = eviction
+        self._node_value = self._value_of(eviction)
         for node in self.tree.nodes():
             self._refresh(node)
+
+    def _value_of(self, eviction: EvictionPolicy):
+        """The candidate index's second column: FLOP efficiency, unless the policy brings its own."""
+        value = getattr(eviction, "node_value", None)
+        return self.flop_efficiency if value is None else functools.partial(value, self)
 
     def _refresh(self, node: Node) -> None:
         if node is self.tree.root:
             return
         if self._is_candidate(node):
-            eff = self.flop_efficiency(node)
+            eff = self._node_value(node)
             if node.slot < 0:
                 node.slot = self.index.add(node, node.last_access, eff)
             else:
@@ -318,14 +348,14 @@ class HybridPrefixCache:
             last_access.append(node.last_access)
         return CacheSnapshot(
             parents, tokens, has_state, last_access, self.clock, self.capacity_bytes,
-            self.checkpoint_grid, self.tree.page_size,
+            self.checkpoint_grid, self.tree.page_size, self.state_slots,
         )
 
     @classmethod
     def from_snapshot(cls, profile, snap: CacheSnapshot, eviction: EvictionPolicy, capacity_bytes: int | None = None):
         cache = cls(
             profile, capacity_bytes or snap.capacity_bytes, eviction,
-            checkpoint_grid=snap.checkpoint_grid, page_size=snap.page_size,
+            checkpoint_grid=snap.checkpoint_grid, page_size=snap.page_size, state_slots=snap.state_slots,
         )
         built: list[Node] = []
         for parent_idx, toks, state, stamp in zip(snap.parents, snap.tokens, snap.has_state, snap.last_access):
@@ -360,4 +390,7 @@ class HybridPrefixCache:
             assert node.has_state or len(node.children) != 1 or node.lock_count, f"uncompressed {node!r}"
         assert kv == self.kv_tokens and states == self.ssm_states
         assert candidates == {n.id for n in self.index.items}
-        assert self.used_bytes <= self.capacity_bytes
+        if self.state_slots is None:
+            assert self.used_bytes <= self.capacity_bytes
+        else:
+            assert self.kv_tokens * self.kv_bytes_per_token <= self.capacity_bytes and self.ssm_states <= self.state_slots

@@ -11,8 +11,10 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from sglang_marconi.policy.alpha_tuner import DEFAULT_ALPHA_GRID, OBJECTIVES, TuningConfig, parse_alpha_grid
 from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.shadow_tuner import (
+    DEFAULT_ALPHA_GRID, DEFAULT_SEGLEN_WEIGHTS, OBJECTIVES, ShadowConfig, parse_alpha_grid,
+)
 
 ENV_VAR = "SGLANG_MARCONI_CONFIG"
 
@@ -20,22 +22,23 @@ ENV_VAR = "SGLANG_MARCONI_CONFIG"
 @dataclass(frozen=True)
 class MarconiServingConfig:
     alpha: float | None = None  # None: tuned online ("auto")
-    bootstrap_multiplier: float = 5.0
     alpha_grid: tuple[float, ...] = DEFAULT_ALPHA_GRID
-    retune: bool = True
+    seglen_weights: tuple[float, ...] = DEFAULT_SEGLEN_WEIGHTS
+    retune: bool = True  # off: adopt the tuner's first decision and stop tuning (the paper tunes once)
     objective: str = "flops"
     admission: bool = True  # Marconi's admission (<= 2 SSM states per request); off: upstream's
-    tune_workers: int = 2
+    tune_workers: int = 1  # 0: shadows on the scheduler thread (tests, debugging); >= 1: one background process
     tune_sample_rate: float = 1.0
-    tune_timeout_s: float = 600.0
+    tune_epoch: int = ShadowConfig.epoch
+    tune_margin: float = ShadowConfig.margin
+    tune_timeout_s: float = 60.0  # a tuner that observes nothing this long with requests waiting is given up
+    bootstrap_multiplier: float = 5.0  # no longer used (no bootstrap windows); kept so old flags still parse
     extra: dict = field(default_factory=dict)
 
-    def tuning(self) -> TuningConfig:
-        return TuningConfig(
-            bootstrap_multiplier=self.bootstrap_multiplier, alpha_grid=self.alpha_grid, objective=self.objective,
-            retune=self.retune, workers=self.tune_workers, sample_rate=self.tune_sample_rate,
-            timeout_s=self.tune_timeout_s,
-        )
+    def tuning(self) -> ShadowConfig:
+        return ShadowConfig(alpha_grid=self.alpha_grid, seglen_weights=self.seglen_weights, objective=self.objective,
+                            sample_rate=self.tune_sample_rate,
+                            epoch=self.tune_epoch, margin=self.tune_margin)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -48,6 +51,7 @@ class MarconiServingConfig:
         try:
             data = json.loads(raw)
             data["alpha_grid"] = tuple(data.get("alpha_grid", DEFAULT_ALPHA_GRID))
+            data["seglen_weights"] = tuple(data.get("seglen_weights", DEFAULT_SEGLEN_WEIGHTS))
             return cls(**data)
         except (ValueError, TypeError) as exc:
             raise MarconiError(f"{ENV_VAR} holds no valid Marconi settings ({exc}): {raw[:200]!r}") from None
@@ -76,15 +80,42 @@ def _grid(text: str) -> tuple[float, ...]:
         raise _flag_error("--marconi-alpha-grid", text, "expected START:STOP:STEP or a comma list of alphas") from None
 
 
+def _weights(text: str) -> tuple[float, ...]:
+    if text == "none":
+        return ()
+    try:
+        weights = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise _flag_error("--marconi-seglen-weights", text, "expected a comma list of weights or 'none'") from None
+    if not all(w >= 0 for w in weights):
+        raise _flag_error("--marconi-seglen-weights", text, "weights must be >= 0")
+    return weights
+
+
+def _number(flag: str, text: str, kind=float):
+    try:
+        return kind(text)
+    except ValueError:
+        raise _flag_error(flag, text, f"expected {'an integer' if kind is int else 'a number'}") from None
+
+
 def add_marconi_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("Marconi prefix caching")
     g.add_argument("--marconi-alpha", default="auto", help="FLOP-aware eviction weight, or 'auto' to tune online")
-    g.add_argument("--marconi-bootstrap-multiplier", default="5", help="tuning window = this x requests before the first eviction")
-    g.add_argument("--marconi-alpha-grid", default="0:2:0.1", help="alphas the tuner replays (START:STOP:STEP or list)")
-    g.add_argument("--marconi-retune", default="on", help="on: re-tune every window; off: tune once (the paper)")
+    g.add_argument("--marconi-alpha-grid", default=",".join(f"{a:g}" for a in DEFAULT_ALPHA_GRID),
+                   help="alphas the tuner's shadow caches run beside SGLang's LRU (START:STOP:STEP or list)")
+    g.add_argument("--marconi-seglen-weights", default=",".join(f"{w:g}" for w in DEFAULT_SEGLEN_WEIGHTS),
+                   help="weights of the SegLen-style candidates (recency + replay length), or 'none'")
+    g.add_argument("--marconi-retune", default="on", help="on: follow the tuner; off: adopt its first decision only")
     g.add_argument("--marconi-objective", default="flops", help=f"tuning objective: {', '.join(OBJECTIVES)}")
     g.add_argument("--marconi-admission", default="on", help="on: at most two SSM states per request; off: upstream's")
-    g.add_argument("--marconi-tune-workers", default="2", help="worker processes for tuning replays")
+    g.add_argument("--marconi-tune-workers", default="1",
+                   help="1: shadow caches in a background process; 0: on the scheduler thread (debugging)")
+    g.add_argument("--marconi-tune-sample-rate", default="1", help="share of sessions the shadow caches see")
+    g.add_argument("--marconi-tune-epoch", default=str(ShadowConfig.epoch), help="sampled requests between decisions")
+    g.add_argument("--marconi-tune-margin", default=str(ShadowConfig.margin),
+                   help="relative lead a choice needs over the current one to be adopted")
+    g.add_argument("--marconi-bootstrap-multiplier", default="5", help="ignored (no bootstrap windows any more)")
 
 
 def _on_off(flag: str, text: str) -> bool:
@@ -95,28 +126,30 @@ def _on_off(flag: str, text: str) -> bool:
 
 def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
     """Validate the flags; every error names the flag and the bad value."""
-    try:
-        multiplier = float(ns.marconi_bootstrap_multiplier)
-    except ValueError:
-        raise _flag_error("--marconi-bootstrap-multiplier", ns.marconi_bootstrap_multiplier, "expected a number") from None
-    try:
-        workers = int(ns.marconi_tune_workers)
-    except ValueError:
-        raise _flag_error("--marconi-tune-workers", ns.marconi_tune_workers, "expected an integer") from None
+    multiplier = _number("--marconi-bootstrap-multiplier", ns.marconi_bootstrap_multiplier)
+    if not multiplier > 0:
+        raise _flag_error("--marconi-bootstrap-multiplier", ns.marconi_bootstrap_multiplier, "must be > 0")
+    workers = _number("--marconi-tune-workers", ns.marconi_tune_workers, int)
+    if workers < 0:
+        raise _flag_error("--marconi-tune-workers", ns.marconi_tune_workers, "must be >= 0")
     config = MarconiServingConfig(
         alpha=_alpha(ns.marconi_alpha),
-        bootstrap_multiplier=multiplier,
         alpha_grid=_grid(ns.marconi_alpha_grid),
+        seglen_weights=_weights(ns.marconi_seglen_weights),
         retune=_on_off("--marconi-retune", ns.marconi_retune),
         objective=ns.marconi_objective,
         admission=_on_off("--marconi-admission", ns.marconi_admission),
         tune_workers=workers,
+        tune_sample_rate=_number("--marconi-tune-sample-rate", ns.marconi_tune_sample_rate),
+        tune_epoch=_number("--marconi-tune-epoch", ns.marconi_tune_epoch, int),
+        tune_margin=_number("--marconi-tune-margin", ns.marconi_tune_margin),
+        bootstrap_multiplier=multiplier,
     )
     try:
         config.tuning()  # the tuner's own checks, reported against the flags
     except MarconiError as exc:
-        flag = {"objective": "--marconi-objective", "bootstrap_multiplier": "--marconi-bootstrap-multiplier",
-                "alpha": "--marconi-alpha-grid", "workers": "--marconi-tune-workers"}
+        flag = {"objective": "--marconi-objective", "alpha": "--marconi-alpha-grid", "sampling rate":
+                "--marconi-tune-sample-rate", "epoch": "--marconi-tune-epoch", "margin": "--marconi-tune-margin"}
         name = next((f for k, f in flag.items() if k in str(exc)), "--marconi-*")
         raise MarconiError(f"{name}: {exc}") from None
     return config

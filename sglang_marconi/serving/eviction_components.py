@@ -142,6 +142,9 @@ class MarconiEvictionSettings:
         # Alpha tuning may choose SGLang's own LRU over any alpha: upstream's walks, except that
         # under KV pressure the index's alpha = 0 choice stands in for the same victim.
         self.use_upstream_lru = False
+        # The index's second column: "flops" (FLOP efficiency, Marconi) or "seglen" (the replay
+        # length back to the anchor, SegLen-style; `alpha` is then its weight).
+        self.value_kind = "flops"
 
     @property
     def alpha(self) -> float:
@@ -169,6 +172,7 @@ class MarconiTreeIndex:
         self.root = None
         self._dirty: set = set()
         self._struct: set = set()
+        self._seglen = False
         self._clear()
 
     def _clear(self) -> None:
@@ -228,7 +232,8 @@ class MarconiTreeIndex:
         self.rebuild()
 
     def rebuild(self) -> None:
-        """Re-evaluate every node (after a reset, or after swapping the profile)."""
+        """Re-evaluate every node (after a reset, after swapping the profile or the value column)."""
+        self._seglen = self.settings.value_kind == "seglen"
         self._clear()
         self._dirty.clear()
         self._struct.clear()
@@ -297,9 +302,10 @@ class MarconiTreeIndex:
         return self._end(parent)
 
     def evaluate(self, node) -> tuple[Optional[float], Optional[float]]:
-        """`node`'s flop_efficiency as a candidate of (KV pressure, Mamba pressure), None where it
-        is not a candidate. A live node of the bound tree is assumed. (Runs for every dirty node
-        at each eviction step: written flat, with locals.)"""
+        """`node`'s flop_efficiency (or, with `value_kind` "seglen", its replay length) as a
+        candidate of (KV pressure, Mamba pressure), None where it is not a candidate. A live node of
+        the bound tree is assumed. (Runs for every dirty node at each eviction step: written flat,
+        with locals.)"""
         leaf = node in self._leaves
         if self._has_mamba:
             data = node.component_data[self._mamba_type]
@@ -315,6 +321,8 @@ class MarconiTreeIndex:
             mamba_cand, state_bytes = False, 0
         end = self._end(node)
         start = self._anchor_end(node)
+        if self._seglen:
+            return (float(end - start) if leaf else None), (float(end - start) if mamba_cand else None)
         flops = self._flops.get((start, end))
         if flops is None:  # nodes are re-evaluated far more often than their span changes
             if len(self._flops) >= _FLOPS_MEMO_SIZE:
@@ -385,6 +393,8 @@ class MarconiTreeIndex:
 
     def choose(self, pressure: int):
         """The lowest-utility candidate for `pressure` (_KV or _MAMBA), or None if there is none."""
+        if self._seglen != (self.settings.value_kind == "seglen") and self.root is not None:
+            self.rebuild()  # tuning switched the value column: every entry changes
         self.flush()
         index, slots = self.indexes[pressure], self._slots[pressure]
         repaired = None

@@ -12,7 +12,7 @@ GAUGES = {
     "marconi_hit_tokens": "Input tokens whose prefill was skipped (the sum of the responses' cached_tokens).",
     "marconi_input_tokens": "Input tokens of the requests released through the Marconi cache.",
     "marconi_prefill_flops_saved": "Prefill FLOPs saved by cache hits (model profile estimate).",
-    "marconi_alpha": "Current weight of FLOP efficiency in Marconi's eviction score (0 = LRU).",
+    "marconi_alpha": "Current weight of FLOP efficiency in Marconi's eviction score (0 with SGLang's LRU).",
     "marconi_ssm_states_cached": "SSM states held by the radix tree.",
     "marconi_ssm_states_admitted": "SSM states admitted into the tree (at most two per request: branch and final).",
     "marconi_evictions_leaf": "Evictions of leaves (KV and SSM state freed).",
@@ -23,6 +23,15 @@ GAUGES = {
     "marconi_two_pass_splits": "Prefill chunks ended at a branch position so its SSM state is admitted (two-pass prefill).",
     "marconi_two_pass_skipped": "Branch positions inside a prefill chunk not split at (another request chunked, or off the page grid).",
     "marconi_two_pass_deferred": "New chunked admissions deferred one round because a branch split left a chunked request.",
+    "marconi_tuner_requests_fed": "Requests sent to the shadow tuner (sampled sessions).",
+    "marconi_tuner_requests_dropped": "Sampled requests dropped because the shadow tuner's channel was full.",
+    "marconi_tuner_requests_observed": "Requests the shadow tuner has accounted for (its heartbeat).",
+    "marconi_tuning_failures": "1 once the shadow tuner died, stalled or failed (the current choice is kept).",
+}
+# One sample per eviction choice (label `choice`: "lru" or an alpha such as "20").
+LABELED_GAUGES = {
+    "marconi_choice": "1 for the eviction choice in force, 0 for the other candidates.",
+    "marconi_shadow_score": "Each candidate's decayed shadow score (prefill FLOPs saved, or hit tokens).",
 }
 INTERNAL_STATE_TARGET = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
@@ -38,10 +47,20 @@ class PrometheusGauges:
             key: Gauge(name=f"sglang:{key}", documentation=doc, labelnames=list(labels), multiprocess_mode="mostrecent")
             for key, doc in GAUGES.items()
         }
+        self.by_choice = {
+            key: Gauge(name=f"sglang:{key}", documentation=doc, labelnames=[*labels, "choice"],
+                       multiprocess_mode="mostrecent")
+            for key, doc in LABELED_GAUGES.items()
+        }
 
     def publish(self, figures: dict) -> None:
         for key, gauge in self.gauges.items():
             gauge.labels(**self.labels).set(float(figures[key]))
+        scores, current = figures["marconi_shadow_scores"], figures["marconi_choice"]
+        for choice in {**scores, current: 0.0}:
+            self.by_choice["marconi_choice"].labels(**self.labels, choice=choice).set(float(choice == current))
+        for choice, score in scores.items():
+            self.by_choice["marconi_shadow_score"].labels(**self.labels, choice=choice).set(score)
 
 
 def add_marconi_state(result, controller, *args, **kwargs):

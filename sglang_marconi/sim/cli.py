@@ -19,19 +19,21 @@ import json
 import sys
 from pathlib import Path
 
-from sglang_marconi.policy.alpha_tuner import TuningConfig, parse_alpha_grid
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.model_profile import load_profile
+from sglang_marconi.policy.shadow_tuner import ShadowConfig, parse_alpha_grid
+from sglang_marconi.sim.hindsight import BEST, replay_best
 from sglang_marconi.sim.kv_blocks.registry import build_block_cache, is_kv_policy
 from sglang_marconi.sim.kv_blocks.replay import replay_blocks
 from sglang_marconi.sim.kv_blocks.view import BlockTrace, block_trace
 from sglang_marconi.sim.policies import CAPACITY_FREE, build_policy, check_policy_name, split_policies
 from sglang_marconi.sim.replay import RunResult, replay
 from sglang_marconi.sim.traces import MOONCAKE_TOKEN_MODES, load_workload
+from sglang_marconi.sim.tuning import shadow_config_for
 from sglang_marconi.sim.units import format_bytes, parse_capacities, parse_counts
 
 DEFAULT_WORKLOAD = "synthetic:swe-agent"
-DEFAULT_POLICIES = "none,vllm+,sglang+,marconi,infinite"
+DEFAULT_POLICIES = "none,vllm+,sglang+,marconi,marconi-best,infinite"
 
 
 def _alpha_grid(text: str) -> tuple[float, ...]:
@@ -39,6 +41,15 @@ def _alpha_grid(text: str) -> tuple[float, ...]:
         return parse_alpha_grid(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"cannot read alpha grid {text!r}: use START:STOP:STEP or a comma list") from None
+
+
+def _seglen_weights(text: str) -> tuple[float, ...]:
+    if text == "none":
+        return ()
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read SegLen weights {text!r}: use a comma list or 'none'") from None
 
 
 def _sample_rate(text: str) -> float | None:
@@ -61,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="paper-7b", help="built-in profile name or a config.json path (default paper-7b)")
     p.add_argument("--capacity", default="2GB,5GB,10GB,20GB", help="comma list, GB = 10^9 bytes, GiB = 2^30")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
-                   help=f"comma list (default {DEFAULT_POLICIES}); marconi:A fixes alpha; KV-only block caches "
+                   help=f"comma list (default {DEFAULT_POLICIES}); marconi:A fixes alpha; marconi-best is the "
+                        "best fixed choice in hindsight; KV-only block caches "
                         "kv-lru, kv-lfu, kv-fifo, kv-s3fifo[:small_ratio=0.1,max_freq=3]")
     p.add_argument("--capacity-blocks", help="comma list of block counts for the kv-* policies (instead of --capacity)")
     p.add_argument("--json", help="write the runs here")
@@ -71,26 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM+ block (and checkpoint) size in tokens; also the kv-* block size on a trace "
                         "without hash ids (a Mooncake trace keeps its 512)")
     p.add_argument("--checkpoint-grid", type=int, default=1, help="branch checkpoints land on multiples of this (chunked prefill)")
-    p.add_argument("--bootstrap-multiplier", type=float, default=5.0)
-    p.add_argument("--alpha-grid", type=_alpha_grid, default=TuningConfig.alpha_grid, help="START:STOP:STEP or comma list")
+    p.add_argument("--alpha-grid", type=_alpha_grid, default=ShadowConfig.alpha_grid,
+                   help="alphas the tuner's shadows run beside SGLang's LRU: START:STOP:STEP or comma list")
+    p.add_argument("--seglen-weights", type=_seglen_weights, default=ShadowConfig.seglen_weights,
+                   help="weights of the SegLen-style candidates beside them: comma list, or 'none'")
     p.add_argument("--objective", default="flops", choices=("flops", "token_hit_rate"))
-    p.add_argument("--no-retune", action="store_true", help="tune alpha once (the paper) instead of every window")
-    p.add_argument("--tune-workers", type=int, default=2, help="worker processes for tuning replays (0: in-process)")
     p.add_argument("--tune-sample-rate", type=_sample_rate, default=None,
-                   help="share of sessions the tuning replays use ('auto': all for small traces)")
+                   help="share of sessions the shadow caches see ('auto': by trace size and capacity)")
+    p.add_argument("--tune-epoch", type=int, default=ShadowConfig.epoch, help="sampled requests between decisions")
+    p.add_argument("--tune-margin", type=float, default=ShadowConfig.margin,
+                   help="relative lead a choice needs over the current one to be adopted")
     p.add_argument("--gpu", default="A100-80GB", help="GPU profile for the MODELED time to first token")
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--with-requests", action="store_true", help="include per-request records in the JSON")
     p.add_argument("--no-progress", action="store_true")
     return p
-
-
-def auto_sample_rate(n_requests: int, grid_size: int, workers: int) -> float:
-    """Keep tuning replays near the main replay's own cost on long traces: a sample of
-    (workers / grid) of the sessions once a trace has many thousands of requests."""
-    if n_requests <= 4000:
-        return 1.0
-    return max(max(1, workers) / grid_size, 4000 / n_requests, 0.05)
 
 
 def run(args: argparse.Namespace) -> list[RunResult]:
@@ -109,14 +116,9 @@ def run(args: argparse.Namespace) -> list[RunResult]:
         raise MarconiError("--capacity-blocks sizes only kv-* policies, and --policies names none")
     profile = load_profile(args.model)
     workload = load_workload(args.trace or args.workload or DEFAULT_WORKLOAD, args.mooncake_tokens)
-    n = len(workload) if args.limit is None else min(args.limit, len(workload))
-    rate = args.tune_sample_rate
-    if rate is None:
-        rate = auto_sample_rate(n, len(args.alpha_grid), args.tune_workers)
-    tuning = TuningConfig(
-        bootstrap_multiplier=args.bootstrap_multiplier, alpha_grid=args.alpha_grid, objective=args.objective,
-        retune=not args.no_retune, workers=args.tune_workers, sample_rate=rate,
-    )
+    tuning = ShadowConfig(alpha_grid=args.alpha_grid, seglen_weights=args.seglen_weights, objective=args.objective,
+                          epoch=args.tune_epoch,
+                          margin=args.tune_margin, sample_rate=args.tune_sample_rate or 1.0)
     trace = None
     runs = []
     for policy_name in policies:
@@ -128,10 +130,17 @@ def run(args: argparse.Namespace) -> list[RunResult]:
                                           capacity_bytes=capacity, gpu=args.gpu, progress=not args.no_progress))
             continue
         for capacity in capacities[:1] if policy_name in CAPACITY_FREE else capacities:
+            replay_args = dict(gpu=args.gpu, progress=not args.no_progress, limit=args.limit)
+            if policy_name == BEST:
+                runs.append(replay_best(workload, profile, capacity, tuning, checkpoint_grid=args.checkpoint_grid,
+                                        **replay_args))
+                continue
+            config = tuning
+            if policy_name == "marconi" and args.alpha is None:  # tuned: the sample rate may depend on capacity
+                config = shadow_config_for(workload, profile, capacity, tuning, args.tune_sample_rate)
             policy = build_policy(policy_name, profile, capacity, alpha=args.alpha, block_size=args.block_size,
-                                  checkpoint_grid=args.checkpoint_grid, tuning=tuning)
-            runs.append(replay(workload, policy, profile, capacity, gpu=args.gpu, progress=not args.no_progress,
-                               limit=args.limit))
+                                  checkpoint_grid=args.checkpoint_grid, tuning=config)
+            runs.append(replay(workload, policy, profile, capacity, **replay_args))
     return runs
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from sglang_marconi.policy.alpha_tuner import TuningConfig
+from sglang_marconi.policy.shadow_tuner import ShadowConfig
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction.flop_aware import check_alpha
 from sglang_marconi.sim.baselines.hybrid_radix import marconi, sglang_plus
@@ -17,7 +17,7 @@ from sglang_marconi.sim.baselines.no_cache import NoCache
 from sglang_marconi.sim.baselines.vllm_plus import VllmPlusCache
 from sglang_marconi.sim.kv_blocks.registry import KV_POLICIES, is_kv_policy, parse_kv_spec
 
-POLICY_NAMES = ("none", "vllm+", "sglang+", "marconi", "infinite")
+POLICY_NAMES = ("none", "vllm+", "sglang+", "marconi", "marconi-best", "infinite")
 # Policies whose result does not depend on the cache capacity: run once, not per capacity.
 CAPACITY_FREE = ("none", "infinite")
 
@@ -49,9 +49,11 @@ def check_policy_name(name: str) -> str:
 
 
 def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None = None, block_size: int = 32,
-                 checkpoint_grid: int = 1, tuning: TuningConfig | None = None):
+                 checkpoint_grid: int = 1, tuning: ShadowConfig | None = None):
     """`marconi` tunes alpha unless `alpha` is given; `marconi:A` always fixes alpha = A."""
     base, _, fixed = check_policy_name(name).partition(":")
+    if base == "marconi-best":
+        raise MarconiError("marconi-best replays every candidate: use sim.hindsight.replay_best")
     if base == "none":
         return NoCache()
     if base == "infinite":

@@ -42,11 +42,16 @@ class RunResult:
     # KV-only block-cache runs (`kv_blocks`): capacity_blocks, block_size, total_hit_tokens,
     # total_prompt_tokens, overall_hit_rate, final_cache_blocks, evictions (top-level in the JSON)
     block_cache: dict | None = None
+    # marconi-best: every candidate's token_hit_rate, flops_saved and wall_seconds, and the best
+    candidates: dict | None = None
+    best_choice: str | None = None
 
     def choice_history(self) -> list[tuple[int, str]]:
-        """(request index, choice) at each adoption: an alpha, or 'lru' (SGLang's LRU, which
-        `alpha_history` records as alpha 0, like FLOP-aware eviction at alpha 0)."""
-        return [(at, "lru" if name == "lru-leaves" else f"{alpha:g}")
+        """(request index, choice) at each adoption: an alpha, 'lru' (SGLang's LRU, which
+        `alpha_history` records as alpha 0, like FLOP-aware eviction at alpha 0) or 'seglen:W'
+        (`alpha_history` records its weight W)."""
+        labels = {"lru-leaves": lambda a: "lru", "seglen": lambda a: f"seglen:{a:g}"}
+        return [(at, labels.get(name, lambda a: f"{a:g}")(alpha))
                 for (at, alpha), (_, name) in zip(self.alpha_history, self.stats.eviction_history or [])]
 
     def choices_used(self) -> list[str]:
@@ -64,6 +69,9 @@ class RunResult:
         out["choice_history"] = [list(x) for x in self.choice_history()]
         if not with_requests:
             out.pop("per_request")
+        for key in ("candidates", "best_choice"):
+            if out[key] is None:
+                out.pop(key)
         out.update(out.pop("block_cache") or {})
         return out
 

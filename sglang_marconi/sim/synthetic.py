@@ -76,6 +76,9 @@ class SyntheticWorkload(Workload):
     def session_ids(self) -> list[str]:
         return [self._sid(t[1]) for t in self._turns]
 
+    def request_lengths(self) -> np.ndarray:
+        return np.array([(t[3], t[4]) for t in self._turns], dtype=np.int64).reshape(-1, 2)
+
     def _sid(self, session: int) -> str:
         return f"{self.kind}-{session}"
 

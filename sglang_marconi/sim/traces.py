@@ -155,6 +155,9 @@ class MooncakeTrace(Workload):
     def session_ids(self) -> list[str]:
         return list(self._sessions)
 
+    def request_lengths(self) -> np.ndarray:
+        return np.array([(in_len, out_len) for _, in_len, out_len, _ in self._records], dtype=np.int64).reshape(-1, 2)
+
     def block_hashes(self) -> tuple[int, list[tuple[list[int], int]]]:
         """The trace's own hash ids and input lengths, whatever `tokens` mode rebuilds tokens."""
         return BLOCK, [(ids.tolist(), in_len) for _, in_len, _, ids in self._records]

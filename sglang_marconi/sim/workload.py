@@ -64,6 +64,11 @@ class Workload:
         """Session id of each request, in order. Subclasses override this with a cheap version."""
         return [r.session_id for r in self]
 
+    def request_lengths(self) -> np.ndarray:
+        """(input length, output length) of each request, shape (n, 2). Subclasses override this
+        with a version that rebuilds no tokens."""
+        return np.array([(r.input_len, r.output_len) for r in self], dtype=np.int64).reshape(-1, 2)
+
     def block_hashes(self) -> tuple[int, list[tuple[list[int], int]]] | None:
         """For traces that carry block hash ids (Mooncake): (block size in tokens, one
         (hash ids, input length) per request in arrival order); None for token-only workloads."""

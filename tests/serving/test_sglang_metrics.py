@@ -61,13 +61,35 @@ def test_hook_is_applied_to_the_scheduler_readback():
     assert result.internal_state["marconi"]["marconi_requests"] == 4
 
 
-def test_prometheus_gauges_follow_the_figures():
+@pytest.fixture(scope="module")
+def exporter():
+    return PrometheusGauges({"model_name": "test-model"})  # one per process: the registry is global
+
+
+def test_prometheus_gauges_follow_the_figures(exporter):
     from prometheus_client import REGISTRY
 
     cc, runtime = served_cache()
-    runtime.exporter = PrometheusGauges({"model_name": "test-model"})
+    runtime.exporter = exporter
     run_request(cc, SYSTEM + [80_000] * 10, 3, chunk_end=chunk_end_for_branch)
     value = REGISTRY.get_sample_value("sglang:marconi_requests", {"model_name": "test-model"})
     assert value == 5
     hit = REGISTRY.get_sample_value("sglang:marconi_token_hit_rate", {"model_name": "test-model"})
     assert hit == pytest.approx(runtime.metrics(cc.cache)["marconi_token_hit_rate"])
+
+
+def test_choice_and_shadow_scores_are_gauges_by_choice(exporter):
+    from prometheus_client import REGISTRY
+
+    config = MarconiServingConfig(alpha=None, alpha_grid=(0.0, 2.0), seglen_weights=(5.0,), tune_workers=0)
+    cc, runtime = build_marconi_serving(config, kv_size=2500, mamba_size=8)
+    runtime.exporter = exporter
+    for i in range(12):
+        run_request(cc, SYSTEM + [60_000 + i] * 30, 4, chunk_end=chunk_end_for_branch)
+    figures = runtime.metrics(cc.cache)
+    labels = lambda choice: {"model_name": "test-model", "choice": choice}  # noqa: E731
+    assert set(figures["marconi_shadow_scores"]) == {"lru", "0", "2", "seglen:5"}
+    for choice, score in figures["marconi_shadow_scores"].items():
+        assert REGISTRY.get_sample_value("sglang:marconi_shadow_score", labels(choice)) == pytest.approx(score)
+        current = REGISTRY.get_sample_value("sglang:marconi_choice", labels(choice))
+        assert current == float(choice == figures["marconi_choice"])

@@ -1,9 +1,13 @@
-"""Online alpha tuning and the serving figures, on SGLang's real cache: tuning runs in worker
-processes without blocking requests, and a dying worker leaves the cache serving."""
+"""Online tuning in the server, on SGLang's real cache: the shadow tuner runs in a background
+process fed without blocking, makes the same decisions as the simulator's on the same request
+stream, and a dying or stalled tuner leaves the cache serving with its current choice."""
 
 import logging
 import os
+import signal
+import time
 
+import numpy as np
 import pytest
 
 pytest.importorskip("sglang")
@@ -12,6 +16,7 @@ from sglang_cpu import build_marconi_serving as marconi_serving  # noqa: E402
 from sglang_cpu import run_request  # noqa: E402
 
 from sglang_marconi.policy.model_profile import load_profile  # noqa: E402
+from sglang_marconi.policy.shadow_tuner import LRU, ShadowTuner, choice_label  # noqa: E402
 from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
 
@@ -19,7 +24,7 @@ SYSTEM = list(range(1, 401))
 
 
 class WorkerKillingProfile:
-    """nemotron-h-8b's figures here; unpickling it (in a tuning worker) kills that process."""
+    """nemotron-h-8b's figures here; unpickling it (in the tuner process) kills that process."""
 
     def __init__(self):
         self._p = load_profile("nemotron-h-8b")
@@ -31,51 +36,129 @@ class WorkerKillingProfile:
         return (os._exit, (3,))
 
 
+LONG = list(range(200_000, 201_200))
+
+
 def workload(n):
+    """A long, valuable prefix revisited every 8th request, and short one-offs in between: LRU lets
+    the one-offs push it out, FLOP-aware eviction keeps it."""
     for i in range(n):
-        if i % 4 == 0:
-            yield SYSTEM + list(range(50_000 + 40 * i, 50_000 + 40 * i + 30))
+        if i % 8 == 0:
+            yield LONG + list(range(50_000 + 40 * i, 50_000 + 40 * i + 30))
         else:
-            yield list(range(100_000 + 700 * i, 100_000 + 700 * i + 300 + 7 * (i % 50)))
+            yield list(range(100_000 + 700 * i, 100_000 + 700 * i + 100 + 7 * (i % 20)))
 
 
-def drive(cc, n):
+def drive(cc, n, fed=None):
     for tokens in workload(n):
-        run_request(cc, tokens, 6, chunk_end=chunk_end_for_branch)
+        req, _ = run_request(cc, tokens, 6, chunk_end=chunk_end_for_branch)
         cc.check_no_leak()
+        if fed is not None:
+            fed.append((str(req.session_id or req.rid), list(req.origin_input_ids), list(req.output_ids)))
 
 
-def test_tuning_windows_run_in_workers_and_serving_never_waits():
-    config = MarconiServingConfig(alpha=None, bootstrap_multiplier=1, alpha_grid=(0.0, 1.0, 3.0), tune_workers=1)
-    cc, runtime = marconi_serving(config, kv_size=3000, mamba_size=12)
-    assert runtime.settings.use_upstream_lru  # LRU until a window says otherwise
-    drive(cc, 80)
-    runtime.close()  # waits for the replay in flight
-    log = runtime.tuner.log
-    assert runtime.tuner.window_len >= 1 and log.windows and log.failures == 0
-    assert all(len(w) == 4 for w in log.windows)  # LRU + three alphas
+def wait_ready(runtime, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not runtime.tuner.ready:
+        assert time.monotonic() < deadline, "the tuner process did not start"
+        time.sleep(0.02)
+
+
+CONFIG = MarconiServingConfig(alpha=None, alpha_grid=(0.0, 2.0, 20.0), seglen_weights=(50.0,))
+
+
+def test_background_tuner_decides_as_the_simulator_does_on_the_same_stream():
+    cc, runtime = marconi_serving(CONFIG, kv_size=2500, mamba_size=8)
+    assert runtime.settings.use_upstream_lru  # LRU until the shadows say otherwise
+    wait_ready(runtime)
+    fed = []
+    drive(cc, 120, fed)
+    runtime.close()  # waits until the process has observed everything
+    assert runtime.tuner.dropped == 0 and runtime.tuner.failed is None
+    served = runtime.tuner_log
+    # The simulator's tuner over the same stream, with the pools the server's shadows model.
+    sim = ShadowTuner(runtime.profile, 2500 * runtime.profile.kv_bytes_per_token, CONFIG.tuning(), state_slots=8,
+                      checkpoint_grid=64)
+    for key, inp, out in fed:
+        sim.observe(key, np.array(inp), np.array(out[:-1]))
+    assert served.decisions == sim.log.decisions and len(served.decisions) > 1
+    assert served.requests == sim.log.requests == 120 and served.forked_at == sim.log.forked_at
     figures = runtime.metrics(cc.cache)
-    assert figures["marconi_requests"] == 80
-    assert 0 < figures["marconi_token_hit_rate"] < 1 and figures["marconi_prefill_flops_saved"] > 0
-    assert figures["marconi_ssm_states_cached"] > 0
-    assert figures["marconi_alpha"] == runtime.alpha
+    assert figures["marconi_choice"] == choice_label(served.decisions[-1][1]) != LRU
+    assert runtime.choice == served.decisions[-1][1]
+    assert set(figures["marconi_shadow_scores"]) == {"lru", "0", "2", "20", "seglen:50"}
+    assert list(figures["marconi_shadow_scores"].values()) == pytest.approx(list(sim.scores))
+    assert figures["marconi_tuner_requests_fed"] == figures["marconi_tuner_requests_observed"] == 120
 
 
-def test_dying_tuning_worker_leaves_the_cache_serving(caplog):
-    config = MarconiServingConfig(alpha=None, bootstrap_multiplier=1, alpha_grid=(0.0, 1.0), tune_workers=1)
-    cc, runtime = marconi_serving(config, profile=WorkerKillingProfile(), kv_size=3000, mamba_size=12)
+def test_inline_tuner_adopts_the_same_choices():
+    cc, runtime = marconi_serving(MarconiServingConfig(alpha=None, alpha_grid=(0.0, 2.0, 20.0), tune_workers=0),
+                                  kv_size=2500, mamba_size=8)
+    drive(cc, 120)
+    runtime.close()
+    assert runtime.tuner_log.decisions[-1][1] == runtime.choice != LRU
+
+
+def test_dying_tuner_keeps_the_choice_and_warns_once(caplog, monkeypatch):
+    monkeypatch.setattr("sglang_marconi.serving.background_tuner._CHECK_EVERY_S", 0.0)
+    cc, runtime = marconi_serving(CONFIG, profile=WorkerKillingProfile(), kv_size=2500, mamba_size=8)
     with caplog.at_level(logging.WARNING):
+        runtime.tuner._proc.join(timeout=60)  # dies unpickling its arguments
         drive(cc, 60)
         runtime.close()
-    assert runtime.tuner.log.failures >= 1
-    assert "alpha tuning failed" in caplog.text
-    assert runtime.metrics(cc.cache)["marconi_requests"] == 60
+    assert runtime.tuner.failed and "exited" in runtime.tuner.failed
+    assert caplog.text.count("Marconi tuning stopped") == 1
+    assert runtime.settings.use_upstream_lru  # the choice in force when it died
+    figures = runtime.metrics(cc.cache)
+    assert figures["marconi_requests"] == 60 and figures["marconi_tuning_failures"] == 1
+
+
+def test_stalled_tuner_is_given_up_and_requests_are_dropped_not_waited_for(caplog, monkeypatch):
+    monkeypatch.setattr("sglang_marconi.serving.background_tuner._CHECK_EVERY_S", 0.0)
+    cc, runtime = marconi_serving(MarconiServingConfig(alpha=None, tune_timeout_s=0.3), kv_size=2500, mamba_size=8)
+    wait_ready(runtime)
+    os.kill(runtime.tuner._proc.pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level(logging.WARNING):
+            drive(cc, 10)
+            time.sleep(0.5)
+            drive(cc, 10)
+        assert runtime.tuner.failed and "observed nothing" in runtime.tuner.failed
+        assert caplog.text.count("Marconi tuning stopped") == 1
+        assert runtime.metrics(cc.cache)["marconi_requests"] == 20
+    finally:
+        os.kill(runtime.tuner._proc.pid, signal.SIGCONT)
+        runtime.close()
+
+
+def test_retune_off_adopts_the_first_decision_only():
+    config = MarconiServingConfig(alpha=None, alpha_grid=(0.0, 2.0, 20.0), tune_workers=0, retune=False)
+    cc, runtime = marconi_serving(config, kv_size=2500, mamba_size=8)
+    drive(cc, 120)
+    assert runtime.tuner.tuner.log.decisions[1][1] == runtime.choice != LRU  # the first switch, kept
+    assert runtime.tuner.fed < 120  # nothing fed after it
+
+
+def test_seglen_choice_ranks_by_replay_length_in_sglangs_cache():
+    cc, runtime = marconi_serving(MarconiServingConfig(alpha=0.0), kv_size=2500, mamba_size=8)  # no tuner
+    runtime._adopt("seglen:100")  # as the tuner would
+    assert runtime.choice == "seglen:100" and runtime.metrics(cc.cache)["marconi_eviction_policy"] == "seglen"
+    drive(cc, 40)
+    index = cc.cache.marconi_index
+    index.check()  # every entry equals a from-scratch evaluation, replay lengths included
+    assert all(e == int(e) for e in index.indexes[0].efficiency[: len(index.indexes[0])])  # token counts
+    assert runtime.settings.counters.evictions_leaf > 0 and runtime.settings.counters.stale_repairs == 0
+    runtime._adopt(1.0)  # back to FLOP efficiency: the index is rebuilt at the next eviction
+    drive(cc, 20)
+    index.check()
+    runtime.close()
 
 
 def test_fixed_alpha_does_not_tune():
-    cc, runtime = marconi_serving(MarconiServingConfig(alpha=0.5), kv_size=3000, mamba_size=12)
+    cc, runtime = marconi_serving(MarconiServingConfig(alpha=0.5), kv_size=2500, mamba_size=8)
     drive(cc, 20)
     assert runtime.tuner is None and runtime.alpha == 0.5 and not runtime.settings.use_upstream_lru
+    assert runtime.metrics(cc.cache)["marconi_shadow_scores"] == {}
 
 
 def test_blocked_hit_tokens_counted_when_state_is_missing():

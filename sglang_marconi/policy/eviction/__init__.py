@@ -3,5 +3,6 @@
 from sglang_marconi.policy.eviction.base import EvictionPolicy
 from sglang_marconi.policy.eviction.flop_aware import FlopAwareEviction
 from sglang_marconi.policy.eviction.lru_leaves import LruLeafEviction
+from sglang_marconi.policy.eviction.seglen import SegLenEviction
 
-__all__ = ["EvictionPolicy", "FlopAwareEviction", "LruLeafEviction"]
+__all__ = ["EvictionPolicy", "FlopAwareEviction", "LruLeafEviction", "SegLenEviction"]

@@ -1,0 +1,212 @@
+"""Continuous shadow tuning: the shared shadow forks into exact per-choice caches, scores are
+decayed sums, decisions follow the leader with a margin, sampling scales the shadows, and a live
+cache that switches choices mid-stream keeps every invariant."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.shadow_tuner import (
+    LRU, ShadowConfig, ShadowTuner, adopt_choice, choice_label, eviction_for, parse_alpha_grid,
+)
+
+
+def contended_requests(n, seed=0):
+    """One long valuable prefix revisited rarely, many short one-off requests in between."""
+    rng = np.random.default_rng(seed)
+    long_prefix = np.arange(10_000, 10_300)
+    for i in range(n):
+        if i % 7 == 0:
+            yield f"long-{i % 3}", np.concatenate((long_prefix, rng.integers(0, 50, 5))), np.array([1, 2])
+        else:
+            yield f"short-{i}", rng.integers(100, 10_000, size=int(rng.integers(20, 60))), np.array([3])
+
+
+def conversations(n, sessions=12, seed=1):
+    """Multi-turn sessions over a shared prompt: branches, splits and single-child evictions."""
+    rng = np.random.default_rng(seed)
+    prompt = np.arange(50_000, 50_040)
+    history = {s: np.concatenate((prompt, rng.integers(0, 500, 10))) for s in range(sessions)}
+    for _ in range(n):
+        s = int(rng.integers(sessions))
+        inp = np.concatenate((history[s], rng.integers(0, 500, int(rng.integers(1, 30)))))
+        out = rng.integers(0, 500, int(rng.integers(1, 8)))
+        history[s] = np.concatenate((inp, out))
+        if len(history[s]) > 400:  # a session ends; a new one starts from the prompt
+            history[s] = np.concatenate((prompt, rng.integers(0, 500, 10)))
+        yield f"s{s}", inp, out
+
+
+@pytest.mark.parametrize("capacity", [700, 2_000])
+def test_each_shadow_equals_a_cache_run_with_that_choice_from_the_start(toy, capacity):
+    config = ShadowConfig(alpha_grid=(0.0, 1.0, 50.0), margin=1e9)  # never switches: shadows only
+    tuner = ShadowTuner(toy, capacity, config)
+    fixed = [HybridPrefixCache(toy, capacity, eviction_for(c)) for c in config.choices]
+    for i, (sid, inp, out) in enumerate(conversations(300)):
+        expected = [cache.serve(inp, out)[0].hit_tokens for cache in fixed]
+        before = tuner.scores.copy()
+        tuner.observe(sid, inp, out)
+        if tuner.shadows:
+            gains = tuner.scores - before * 0.5 ** (1 / config.half_life)
+            assert np.allclose(gains, [toy.prefill_flops(0, h) for h in expected]), i
+            for shadow in tuner.shadows:
+                shadow.check_invariants()
+        else:
+            assert len(set(expected)) == 1  # before the fork every choice hits the same
+    assert tuner.log.forked_at is not None
+    for shadow, cache in zip(tuner.shadows, fixed):  # same contents, node for node
+        assert (shadow.kv_tokens, shadow.ssm_states) == (cache.kv_tokens, cache.ssm_states)
+        assert shadow.counters == cache.counters
+
+
+def test_no_eviction_no_fork_no_decision(toy):
+    tuner = ShadowTuner(toy, 10**9, ShadowConfig())
+    for sid, inp, out in conversations(200):
+        assert tuner.observe(sid, inp, out) is None
+    assert tuner.shared is not None and not tuner.shadows and tuner.log.decisions == [(0, LRU)]
+
+
+def test_switches_to_flop_aware_eviction_when_it_saves_more(toy):
+    # At 600 bytes LRU drops the 300-token prefix between its visits; FLOP-aware eviction keeps it.
+    tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0, 1.0, 5.0)))
+    adopted = [c for sid, inp, out in contended_requests(400) if (c := tuner.observe(sid, inp, out)) is not None]
+    assert adopted and adopted[-1] != LRU
+    assert tuner.scores[tuner.choices.index(tuner.current)] > 2 * tuner.scores[0]
+    assert tuner.log.decisions[-1][1] == tuner.current and tuner.log.decisions[0] == (0, LRU)
+
+
+def test_margin_keeps_the_current_choice(toy):
+    # margin and tie are shares of what the requests could save at most (`potential`): points
+    tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0,), seglen_weights=(), margin=0.03, tie=0.0))
+    tuner.potential = 1000.0
+    tuner.scores[:] = [100.0, 129.0]
+    assert tuner._decide() is None and tuner.current == LRU  # leads by 2.9 points < 3
+    tuner.scores[:] = [100.0, 131.0]
+    assert tuner._decide() == 0.0 and tuner.log.decisions[-1] == (0, 0.0)
+    tuner.scores[:] = [132.0, 131.0]  # LRU leads again, by 0.1 point: no flapping back
+    assert tuner._decide() is None
+
+
+def test_decisions_only_at_epoch_ends_and_scores_decay(toy):
+    config = ShadowConfig(alpha_grid=(0.0, 5.0), seglen_weights=(), epoch=7, half_life=50.0)
+    tuner = ShadowTuner(toy, 600, config)
+    sampled_at_decision = []
+    for sid, inp, out in contended_requests(400):
+        if tuner.observe(sid, inp, out) is not None:
+            sampled_at_decision.append(tuner.log.sampled - tuner.log.forked_at + 1)  # the fork request scores too
+    assert sampled_at_decision and all(n % 7 == 0 for n in sampled_at_decision)
+    before = tuner.scores.copy()
+    tuner._score([0, 0, 0], 10)  # a request nobody hit: every score decays by 2^(-1/50)
+    assert np.allclose(tuner.scores, before * 0.5 ** (1 / 50))
+
+
+def test_near_ties_go_to_the_largest_alpha_and_the_test_needs_evidence(toy):
+    tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0, 2.0), seglen_weights=(), z=1.0, margin=0.0, tie=0.01))
+    tuner.potential = 100.0
+    tuner.scores[:] = [1.0, 3.0, 3.0]
+    assert tuner.leader() == 2
+    tuner.scores[:] = [1.0, 3.0, 2.1]  # within 1 point of the best: still ties, the larger alpha leads
+    assert tuner.leader() == 2
+    tuner.scores[:] = [1.0, 3.0, 1.9]
+    assert tuner.leader() == 1
+    tuner.scores[:] = [1.0, 3.0, 3.0]
+    tuner._sq[2, 0] = tuner._sq[0, 2] = 9.0  # gap 2 < 1 x sqrt(9): not yet significant
+    assert tuner._decide() is None and tuner.current == LRU
+    tuner._sq[2, 0] = tuner._sq[0, 2] = 1.0
+    assert tuner._decide() == 2.0
+
+
+def test_sampling_feeds_only_sampled_sessions_at_scaled_capacity(toy):
+    tuner = ShadowTuner(toy, 4_000, ShadowConfig(sample_rate=0.5))
+    reqs = list(contended_requests(300))
+    for sid, inp, out in reqs:
+        tuner.observe(sid, inp, out)
+    from sglang_marconi.policy.sampling import session_in_sample
+
+    assert tuner.log.sampled == sum(session_in_sample(sid, 0.5) for sid, _, _ in reqs) < len(reqs)
+    cache = tuner.shared or tuner.shadows[0]
+    assert cache.capacity_bytes == 2_000
+
+
+def test_two_budget_shadows_bound_kv_and_states_separately(toy):
+    tuner = ShadowTuner(toy, 300, ShadowConfig(alpha_grid=(1.0,)), state_slots=4)
+    for sid, inp, out in conversations(200):
+        tuner.observe(sid, inp, out)
+        for cache in tuner.shadows or [tuner.shared]:
+            cache.check_invariants()
+            assert cache.ssm_states <= 4 and cache.kv_tokens <= 300
+    assert tuner.shadows
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"objective": "latency"}, "objective"),
+    ({"alpha_grid": (0.0, -1.0)}, "alpha"),
+    ({"alpha_grid": ()}, "alpha_grid"),
+    ({"sample_rate": 0.0}, "sampling rate"),
+    ({"epoch": 0}, "epoch"),
+    ({"half_life": 0}, "half_life"),
+    ({"margin": -1}, "margin"),
+    ({"z": math.inf}, "z"),
+    ({"tie": -0.5}, "tie"),
+])
+def test_bad_config(kwargs, match):
+    with pytest.raises(MarconiError, match=match):
+        ShadowConfig(**kwargs)
+
+
+def test_sample_rate_too_small_for_two_states(toy):
+    with pytest.raises(MarconiError, match="sample_rate=0.01"):
+        ShadowTuner(toy, 1_000, ShadowConfig(sample_rate=0.01))
+
+
+def test_choices_and_labels():
+    config = ShadowConfig(alpha_grid=parse_alpha_grid("0:1:0.5"), seglen_weights=(100.0, 1.0))
+    assert config.choices == (LRU, 0.0, 0.5, 1.0, "seglen:1", "seglen:100") and config.start == LRU
+    assert [choice_label(c) for c in config.choices] == ["lru", "0", "0.5", "1", "seglen:1", "seglen:100"]
+    assert ShadowConfig(lru=False, alpha_grid=(2.0, 0.0), seglen_weights=()).choices == (0.0, 2.0)
+    assert [type(eviction_for(c)).__name__ for c in config.choices[::2]] == [
+        "LruLeafEviction", "FlopAwareEviction", "SegLenEviction"]
+
+
+# A live cache switching choices at random points keeps every invariant (bytes, candidate index,
+# capacity), admits at most two states per request, and never evicts a locked node.
+requests = st.lists(
+    st.tuples(
+        st.integers(0, 3), st.lists(st.integers(0, 3), min_size=1, max_size=25), st.lists(st.integers(0, 3), max_size=5),
+        st.sampled_from([None, LRU, 0.0, 2.0, 100.0, "seglen:1", "seglen:50"]),  # adopted after this request
+        st.booleans(),  # lock this request's hit node for the rest of the run
+    ),
+    min_size=1,
+    max_size=40,
+)
+PREFIXES = [[], list(range(100, 120)), list(range(200, 260)), list(range(100, 110)) + [7] * 10]
+
+
+@settings(max_examples=80, deadline=None)
+@given(requests, st.integers(60, 500), st.sampled_from([LRU, 0.0, 20.0, "seglen:5"]))
+def test_switching_choices_mid_stream_keeps_invariants(toy_profile, reqs, capacity, start):
+    cache = HybridPrefixCache(toy_profile, capacity, eviction_for(start))
+    locked = []
+    for p, suffix, output, switch_to, lock in reqs:
+        seq = PREFIXES[p] + suffix
+        lookup, states = cache.serve(seq, output)
+        assert states <= 2
+        cache.check_invariants()
+        if lock and lookup.hit_node is not cache.tree.root:
+            cache.lock(lookup.hit_node)
+            locked.append((lookup.hit_node, lookup.hit_node.end))
+        if switch_to is not None:
+            adopt_choice(cache, switch_to)
+            cache.check_invariants()
+            assert cache.eviction.name == {LRU: "lru-leaves", "seglen:1": "seglen", "seglen:50": "seglen"}.get(
+                switch_to, "marconi")
+        for node, end in locked:
+            assert node.parent is not None and node.end == end and node.has_state
+    for node, _ in locked:
+        cache.unlock(node)
+    cache.check_invariants()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import time
 from dataclasses import asdict
@@ -168,6 +169,7 @@ def parse_args(argv):
     p.add_argument("--mooncake-block-tokens", type=int, default=64, help="tokens per 512-token Mooncake block")
     p.add_argument("--quick", action="store_true", help="small workloads (~3 min on a 2-core CPU)")
     p.add_argument("--out", default="out/serving")
+    p.add_argument("--ours-args", default="", help="flags for our server only, e.g. \"--marconi-alpha 1\" (A/B runs)")
     own, extra = _split(argv)
     args = p.parse_args(own)
     args.extra = extra
@@ -212,7 +214,8 @@ def main(argv=None) -> int:
     results: dict = {w: {} for w in workloads}
     for label, launcher in RUNS:
         t0 = time.perf_counter()
-        server = start_server(model, launcher=launcher, extra_args=flags, device=args.device,
+        ours = shlex.split(args.ours_args) if launcher == "marconi" else []
+        server = start_server(model, launcher=launcher, extra_args=(*flags, *ours), device=args.device,
                               log_path=scratch / f"{label}.log")
         print(f"{label}: ready in {time.perf_counter() - t0:.0f} s ({server.url})", flush=True)
         try:
@@ -225,7 +228,8 @@ def main(argv=None) -> int:
         finally:
             server.stop()
     print(format_tables(results, hardware))
-    report = {"hardware": hardware, "model": model, "flags": list(flags), "max_concurrency": args.max_concurrency,
+    report = {"hardware": hardware, "model": model, "flags": list(flags), "ours_args": args.ours_args,
+              "max_concurrency": args.max_concurrency,
               "sizes": sizes, "results": {w: {k: {**asdict(v), "token_hit_rate": v.token_hit_rate}
                                               for k, v in runs.items()} for w, runs in results.items()},
               "summary": {w: summary(runs) for w, runs in results.items()}}

@@ -5,8 +5,8 @@ through a bounded channel that never blocks, so the scheduler never waits on tun
   request's token buffers into it (a few microseconds: no system call, no lock, no helper thread
   to contend for the GIL); when the ring is full the request is dropped and counted.
 - Child: polls the ring (every 2 ms while requests come, every 50 ms when idle), runs the shadow
-  caches a little below the scheduler's CPU priority, and writes back through shared memory (`RawArray`, read
-  without a lock): the current choice, requests observed (a heartbeat), each candidate's score.
+  caches at the lowest CPU priority (nice 19), and writes back through shared memory (`RawArray`,
+  read without a lock): the current choice, requests observed (a heartbeat), each candidate's score.
 - Failure: a child that has exited, or that observed nothing for `stall_s` while requests were
   waiting, is given up with one warning; the cache keeps its current choice.
 
@@ -38,7 +38,7 @@ RING_BYTES = 64 << 20  # ~8M tokens of requests in flight to the tuner
 _CHECK_EVERY_S = 1.0  # how often the scheduler side checks the child's health
 _BATCH = 16  # finished requests handed to the child at once
 _POLL_S, _IDLE_POLL_S, _IDLE_S = 0.002, 0.05, 0.5
-_NICE = 5
+_NICE = 19
 
 
 class BackgroundShadowTuner:
@@ -231,9 +231,10 @@ def run_shadow_tuner(ring: SharedRing, result_send, state, parent_pid, profile, 
 
 
 def _yield_to_the_scheduler() -> None:
-    """A little below the scheduler's CPU priority: on a busy host the scheduler comes first, yet
-    the tuner keeps a share (SCHED_IDLE starved it behind unrelated work and its decisions came
-    hundreds of requests late)."""
+    """The lowest nice level: the tuner runs on cores the serving engine leaves free (most of a GPU
+    host's), and gives way where the engine needs them all (a CPU engine's forward passes): at
+    nice 5 it took back most of the TTFT that the extra hits saved on a 2-core CPU server
+    (docs/benchmarks.md). Decisions come later there, never the scheduler."""
     try:
         os.nice(_NICE)
     except OSError:

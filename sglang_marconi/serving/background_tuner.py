@@ -22,6 +22,7 @@ import struct
 import sys
 import time
 import types
+import weakref
 from array import array
 
 import numpy as np
@@ -69,6 +70,10 @@ class BackgroundShadowTuner:
         )
         _start_without_main(self._proc)
         result_send.close()
+        # The shared memory must outlive the child: were this object dropped without close(), its
+        # blocks would go back to multiprocessing's heap and be handed to the next tuner while this
+        # child still wrote into them. The finalizer keeps them until the child is gone.
+        weakref.finalize(self, _reap_child, os.getpid(), self._proc, self._state, self._ring)
         self._observed_at = (0.0, time.monotonic())  # (observed count, when it last changed)
         self._next_check = time.monotonic() + _CHECK_EVERY_S
 
@@ -169,6 +174,16 @@ class BackgroundShadowTuner:
         if self.failed is None and result is None:
             self._give_up("the shadow tuner process did not report at shutdown")
         return result
+
+
+def _reap_child(owner_pid, proc, state, ring) -> None:
+    """Stop a child whose tuner object was dropped (`ring` is only held until then)."""
+    if os.getpid() != owner_pid:  # a forked copy of the owner: the child is not ours to stop
+        return
+    state[_CLOSED] = 1.0
+    if proc.is_alive():
+        proc.terminate()
+    proc.join(timeout=5)
 
 
 def _start_without_main(proc) -> None:

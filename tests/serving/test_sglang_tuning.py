@@ -166,3 +166,24 @@ def test_blocked_hit_tokens_counted_when_state_is_missing():
     for i in range(2):  # the 2nd request's full-KV hit (the prompt) has no state yet
         run_request(cc, SYSTEM + [90_000 + i], 3, chunk_end=chunk_end_for_branch)
     assert runtime.figures.blocked_tokens > 0
+
+
+def test_a_dropped_tuner_stops_its_child_before_its_shared_memory_is_reused():
+    """Without close(): the child must not outlive the object, or it would keep writing into shared
+    memory that multiprocessing's heap hands to the next tuner (it did: zeroed a later tuner's scores)."""
+    import gc
+
+    from sglang_marconi.serving.background_tuner import BackgroundShadowTuner
+
+    tuner = BackgroundShadowTuner(load_profile("nemotron-h-8b"), 10**9, CONFIG.tuning(), state_slots=8,
+                                  checkpoint_grid=64)
+    deadline = time.monotonic() + 60
+    while not tuner.ready:
+        assert time.monotonic() < deadline, "the tuner process did not start"
+        time.sleep(0.02)
+    child = tuner._proc
+    assert child.is_alive()
+    del tuner
+    gc.collect()
+    child.join(timeout=10)
+    assert not child.is_alive()

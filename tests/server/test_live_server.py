@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("sglang")
 
-from http_api import flush_cache, generate, internal_state, marconi_figures, marconi_gauges  # noqa: E402
+from http_api import (  # noqa: E402
+    flush_cache, generate, internal_state, labelled_gauge, marconi_figures, marconi_gauges,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -128,6 +131,45 @@ def test_figures_and_gauges_agree_with_the_responses(server):
     assert set(GAUGES) <= set(gauges)
     for key in GAUGES:
         assert gauges[key] == pytest.approx(float(after[key])), key
+
+
+def test_tuner_choice_and_shadow_scores_are_served(server):
+    """The shadow tuner runs in the server (the default `--marconi-alpha auto`): every candidate of
+    the default configuration has a score in /server_info and a gauge on /metrics, and exactly one
+    choice is marked in force."""
+    from sglang_marconi.policy.shadow_tuner import choice_label
+    from sglang_marconi.serving.config import MarconiServingConfig
+
+    system = tokens(9, 100)
+
+    def tuner_caught_up() -> dict:  # it observes in the background, at the lowest CPU priority
+        deadline = time.monotonic() + 60
+        while True:
+            figures = marconi_figures(server.url)
+            if figures["marconi_tuner_requests_observed"] >= figures["marconi_tuner_requests_fed"]:
+                return figures
+            assert time.monotonic() < deadline, figures
+            time.sleep(0.5)
+
+    for i in range(20):  # more than one batch (16 requests) handed to the tuner
+        generate(server.url, system + tokens(700 + i, 15), max_new_tokens=4)
+    figures = tuner_caught_up()
+    assert figures["marconi_tuner_requests_fed"] > 0
+    # Gauges are published when a request is released. Release one that does not complete a batch
+    # (the tuner's scores then stay as they are), so /metrics and /server_info must agree.
+    if figures["marconi_requests"] - figures["marconi_tuner_requests_fed"] == 15:
+        generate(server.url, system + tokens(798, 15), max_new_tokens=4)
+        tuner_caught_up()
+    generate(server.url, system + tokens(799, 15), max_new_tokens=4)
+    figures = marconi_figures(server.url)
+    expected = {choice_label(c) for c in MarconiServingConfig().tuning().choices}
+    assert figures["marconi_tuning_failures"] == 0 and figures["marconi_tuner_requests_dropped"] == 0
+    scores = figures["marconi_shadow_scores"]
+    assert set(scores) == expected and len(expected) > 2
+    assert labelled_gauge(server.url, "sglang:marconi_shadow_score", "choice") == pytest.approx(scores)
+    in_force = labelled_gauge(server.url, "sglang:marconi_choice", "choice")
+    assert set(in_force) == expected
+    assert [c for c, v in in_force.items() if v == 1.0] == [figures["marconi_choice"]]
 
 
 def test_frontend_program_many_users_one_system_prompt(server):

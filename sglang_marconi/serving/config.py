@@ -114,7 +114,7 @@ def add_marconi_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--marconi-tune-sample-rate", default="1", help="share of sessions the shadow caches see")
     g.add_argument("--marconi-tune-epoch", default=str(ShadowConfig.epoch), help="sampled requests between decisions")
     g.add_argument("--marconi-tune-margin", default=str(ShadowConfig.margin),
-                   help="relative lead a choice needs over the current one to be adopted")
+                   help="lead a choice needs over the current one, as a share of the most the requests could save")
     g.add_argument("--marconi-bootstrap-multiplier", default="5", help="ignored (no bootstrap windows any more)")
 
 

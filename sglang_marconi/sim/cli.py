@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of sessions the shadow caches see ('auto': by trace size and capacity)")
     p.add_argument("--tune-epoch", type=int, default=ShadowConfig.epoch, help="sampled requests between decisions")
     p.add_argument("--tune-margin", type=float, default=ShadowConfig.margin,
-                   help="relative lead a choice needs over the current one to be adopted")
+                   help="lead a choice needs over the current one, as a share of the most the requests could save")
     p.add_argument("--gpu", default="A100-80GB", help="GPU profile for the MODELED time to first token")
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--with-requests", action="store_true", help="include per-request records in the JSON")
@@ -167,7 +167,7 @@ def format_table(runs: list[RunResult]) -> str:
     bound = next((r for r in runs if r.policy == "infinite"), None)
     width = max([18, *(len(r.policy) + 2 for r in runs)])
     head = (f"{'policy':<{width}}{'capacity':>10}{'tok hit%':>9}{'req hit%':>9}{'FLOPs sv%':>10}{'x sglang+':>10}"
-            f"{'x vllm+':>9}{'%of inf':>8}{'states':>8}{'ev leaf/mid':>13}{'alpha':>7}{'TTFT p95*':>10}{'wall s':>8}")
+            f"{'x vllm+':>9}{'%of inf':>8}{'states':>8}{'ev leaf/mid':>13}{'choice':>12}{'TTFT p95*':>10}{'wall s':>8}")
     lines = [head, "-" * len(head)]
     for r in runs:
         def ratio(base: str) -> str:
@@ -175,12 +175,12 @@ def format_table(runs: list[RunResult]) -> str:
             return f"{r.token_hit_rate / other.token_hit_rate:.2f}" if other and other.token_hit_rate else "-"
         share = f"{100 * r.token_hit_rate / bound.token_hit_rate:.0f}" if bound and bound.token_hit_rate else "-"
         cap = "-" if r.policy in CAPACITY_FREE else format_bytes(r.capacity_bytes)
-        alpha = (r.choices_used() or [""])[-1] if r.policy.startswith("marconi") else ""
+        choice = (r.choices_used() or [""])[-1] if r.policy.startswith("marconi") else ""
         s = r.stats
         lines.append(
             f"{r.policy:<{width}}{cap:>10}{100 * r.token_hit_rate:>9.2f}{100 * r.request_hit_rate:>9.1f}"
             f"{100 * r.flops_saved_fraction:>10.2f}{ratio('sglang+'):>10}{ratio('vllm+'):>9}{share:>8}"
-            f"{s.ssm_states_cached:>8}{f'{s.evictions_leaf}/{s.evictions_intermediate}':>13}{alpha:>7}"
+            f"{s.ssm_states_cached:>8}{f'{s.evictions_leaf}/{s.evictions_intermediate}':>13}{choice:>12}"
             f"{r.modeled_ttft_p95_s:>10.3f}{r.wall_seconds:>8.2f}"
         )
     lines.append(f"* TTFT is MODELED from prefill FLOPs on {runs[0].gpu if runs else '?'} (not measured).")

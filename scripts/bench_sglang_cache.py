@@ -357,6 +357,7 @@ def serve(cc, probe: Probe, r, chunk: int | None, chunk_end) -> int:
 
 
 def run_cell(config, kv_size, mamba_size, info: TraceInfo, chunk, profile, bar) -> Cell:
+    from sglang_marconi.policy.shadow_tuner import choice_label
     from sglang_marconi.serving.admission import chunk_end_for_branch
 
     cell = Cell(config, kv_size, mamba_size)
@@ -378,7 +379,7 @@ def run_cell(config, kv_size, mamba_size, info: TraceInfo, chunk, profile, bar) 
     if runtime is not None:
         runtime.close()  # waits for the shadow tuner to observe what it was fed
         if runtime.tuner is not None:
-            cell.choices = [label for _, label in _labels(runtime.tuner_log.decisions if runtime.tuner_log else [])]
+            cell.choices = [choice_label(c) for _, c in (runtime.tuner_log.decisions if runtime.tuner_log else [])]
             cell.tuner_dropped = runtime.tuner.dropped
     cell.wall_s = time.perf_counter() - t0
     cell.pool_s = probe.pool_ns / 1e9
@@ -387,12 +388,6 @@ def run_cell(config, kv_size, mamba_size, info: TraceInfo, chunk, profile, bar) 
     if getattr(cc, "settings", None) is not None:
         assert cc.settings.counters.stale_repairs == 0
     return cell
-
-
-def _labels(decisions):
-    from sglang_marconi.policy.shadow_tuner import choice_label
-
-    return [(at, choice_label(c)) for at, c in decisions]
 
 
 def warm_up(chunk):

@@ -63,6 +63,11 @@ def parse_alpha_grid(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(","))
 
 
+def parse_seglen_weights(text: str) -> tuple[float, ...]:
+    """'1,100' or 'none' (no SegLen candidates); ValueError if it is neither."""
+    return () if text == "none" else tuple(float(x) for x in text.split(","))
+
+
 def seglen_choice(weight: float) -> str:
     return f"{SEGLEN}:{check_alpha(weight):g}"
 

@@ -266,5 +266,4 @@ def _observe(tuner: ShadowTuner, payload: memoryview) -> None:
     if n_in == 0:
         tuner.log.requests += 1
         return
-    # SGLang caches input + output[:-1]: the last decoded token was never fed back, so it has no KV.
-    tuner.observe(key, tokens[:n_in], tokens[n_in:n_in + max(0, n_out - 1)])
+    tuner.observe(key, tokens[:n_in], tokens[n_in:n_in + n_out])

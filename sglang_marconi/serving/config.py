@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.shadow_tuner import (
     DEFAULT_ALPHA_GRID, DEFAULT_SEGLEN_WEIGHTS, OBJECTIVES, ShadowConfig, parse_alpha_grid,
+    parse_seglen_weights,
 )
 
 ENV_VAR = "SGLANG_MARCONI_CONFIG"
@@ -81,10 +82,8 @@ def _grid(text: str) -> tuple[float, ...]:
 
 
 def _weights(text: str) -> tuple[float, ...]:
-    if text == "none":
-        return ()
     try:
-        weights = tuple(float(x) for x in text.split(","))
+        weights = parse_seglen_weights(text)
     except ValueError:
         raise _flag_error("--marconi-seglen-weights", text, "expected a comma list of weights or 'none'") from None
     if not all(w >= 0 for w in weights):

@@ -28,7 +28,7 @@ GAUGES = {
     "marconi_tuner_requests_observed": "Requests the shadow tuner has accounted for (its heartbeat).",
     "marconi_tuning_failures": "1 once the shadow tuner died, stalled or failed (the current choice is kept).",
 }
-# One sample per eviction choice (label `choice`: "lru" or an alpha such as "20").
+# One sample per eviction choice (label `choice`: "lru", an alpha such as "20", or "seglen:W").
 LABELED_GAUGES = {
     "marconi_choice": "1 for the eviction choice in force, 0 for the other candidates.",
     "marconi_shadow_score": "Each candidate's decayed shadow score (prefill FLOPs saved, or hit tokens).",

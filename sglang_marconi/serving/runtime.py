@@ -50,8 +50,8 @@ class InlineShadowTuner:
 
     def observe(self, session_key: str, input_ids, output_ids) -> Choice | None:
         self.fed += 1
-        out = np.asarray(output_ids, dtype=np.int64)[:-1]  # SGLang caches input + output[:-1]
-        return self.tuner.observe(session_key, np.asarray(input_ids, dtype=np.int64), out)
+        return self.tuner.observe(session_key, np.asarray(input_ids, dtype=np.int64),
+                                  np.asarray(output_ids, dtype=np.int64))
 
     @property
     def observed(self) -> int:
@@ -145,7 +145,8 @@ class MarconiRuntime:
 
     def _tune(self, session_key: str, input_ids, output_ids) -> None:
         try:
-            choice = self.tuner.observe(session_key, input_ids, output_ids)
+            # SGLang caches input + output[:-1]: the last decoded token was never fed back (no KV).
+            choice = self.tuner.observe(session_key, input_ids, output_ids[:-1])
         except Exception as exc:  # tuning must never take the scheduler down
             log.warning("Marconi tuning stopped after an error (%s: %s); keeping eviction choice %s",
                         type(exc).__name__, exc, choice_label(self.choice))

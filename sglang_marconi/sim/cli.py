@@ -21,7 +21,7 @@ from pathlib import Path
 
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.model_profile import load_profile
-from sglang_marconi.policy.shadow_tuner import ShadowConfig, parse_alpha_grid
+from sglang_marconi.policy.shadow_tuner import ShadowConfig, parse_alpha_grid, parse_seglen_weights
 from sglang_marconi.sim.hindsight import BEST, replay_best
 from sglang_marconi.sim.kv_blocks.registry import build_block_cache, is_kv_policy
 from sglang_marconi.sim.kv_blocks.replay import replay_blocks
@@ -44,10 +44,8 @@ def _alpha_grid(text: str) -> tuple[float, ...]:
 
 
 def _seglen_weights(text: str) -> tuple[float, ...]:
-    if text == "none":
-        return ()
     try:
-        return tuple(float(x) for x in text.split(","))
+        return parse_seglen_weights(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"cannot read SegLen weights {text!r}: use a comma list or 'none'") from None
 
@@ -117,8 +115,7 @@ def run(args: argparse.Namespace) -> list[RunResult]:
     profile = load_profile(args.model)
     workload = load_workload(args.trace or args.workload or DEFAULT_WORKLOAD, args.mooncake_tokens)
     tuning = ShadowConfig(alpha_grid=args.alpha_grid, seglen_weights=args.seglen_weights, objective=args.objective,
-                          epoch=args.tune_epoch,
-                          margin=args.tune_margin, sample_rate=args.tune_sample_rate or 1.0)
+                          epoch=args.tune_epoch, margin=args.tune_margin, sample_rate=args.tune_sample_rate or 1.0)
     trace = None
     runs = []
     for policy_name in policies:

@@ -48,21 +48,20 @@ def marconi_figures(url: str) -> dict:
     return internal_state(url)["marconi"]
 
 
-def labelled_gauge(url: str, name: str, label: str) -> dict[str, float]:
-    """One labelled gauge on /metrics (e.g. `sglang:marconi_shadow_score` by `choice`): label -> value."""
+def metric_samples(url: str):
+    """Every sample on /metrics (prometheus_client's parser)."""
     r = requests.get(url + "/metrics", timeout=TIMEOUT_S)
     r.raise_for_status()
-    return {sample.labels[label]: sample.value for family in text_string_to_metric_families(r.text)
-            for sample in family.samples if sample.name == name}
+    for family in text_string_to_metric_families(r.text):
+        yield from family.samples
+
+
+def labelled_gauge(url: str, name: str, label: str) -> dict[str, float]:
+    """One labelled gauge on /metrics (e.g. `sglang:marconi_shadow_score` by `choice`): label -> value."""
+    return {s.labels[label]: s.value for s in metric_samples(url) if s.name == name}
 
 
 def marconi_gauges(url: str) -> dict[str, float]:
     """The `sglang:marconi_*` samples on /metrics, by figure name (`marconi_...`)."""
-    r = requests.get(url + "/metrics", timeout=TIMEOUT_S)
-    r.raise_for_status()
-    out = {}
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            if sample.name.startswith("sglang:marconi_"):
-                out[sample.name.removeprefix("sglang:")] = sample.value
-    return out
+    return {s.name.removeprefix("sglang:"): s.value for s in metric_samples(url)
+            if s.name.startswith("sglang:marconi_")}

@@ -1,20 +1,30 @@
 """The shadow tuner (`policy/shadow_tuner.py`) off the scheduler thread: a child process fed
-through a bounded channel that never blocks, so the scheduler never waits on tuning.
+through a shared-memory ring, whose decisions take effect at fixed points of the request stream.
 
 - Channel: a byte ring in shared memory (`shared_ring.py`): the scheduler copies each sampled
   request's token buffers into it (a few microseconds: no system call, no lock, no helper thread
-  to contend for the GIL); when the ring is full the request is dropped and counted.
+  to contend for the GIL). Requests are handed over 16 at a time, and a partial batch as soon as
+  the scheduler goes idle (`flush_idle`) or its oldest request has waited `_HANDOVER_S`.
+- Lockstep: the child records its choice *as of* every `sync_every`-th request of the stream
+  (`choice_at(k)`: after exactly `k * sync_every` requests). The runtime adopts `choice_at(k - 1)`
+  at release `k * sync_every`, so which choice is in force at every point of the stream is a
+  function of the requests alone, never of the child's pace: two ranks (or two runs) fed the same
+  stream make the same switches at the same requests. When the child lags a whole interval
+  behind, the scheduler waits for it (`choice_at` blocks); a full ring waits too, never drops.
 - Child: polls the ring (every 2 ms while requests come, every 50 ms when idle), runs the shadow
   caches at the lowest CPU priority (nice 19), and writes back through shared memory (`RawArray`,
-  read without a lock): the current choice, requests observed (a heartbeat), each candidate's score.
-- Failure: a child that has exited, or that observed nothing for `stall_s` while requests were
-  waiting, is given up with one warning; the cache keeps its current choice.
+  read without a lock): its current choice, requests read and observed, each candidate's score and
+  the table of choices at sync points.
+- Failure: a child that has exited, or that has left the oldest request it was handed unread for
+  `stall_s` (idle periods never count: nothing is waiting then), is given up with one warning;
+  the runtime then stops tuning on every rank at the next sync point and keeps its choice.
 
 Engine-free: imports neither SGLang nor torch.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 import os
@@ -34,39 +44,50 @@ from sglang_marconi.serving.shared_ring import SharedRing, fence
 log = logging.getLogger("sglang_marconi")
 
 _META = struct.Struct("<IIQQ")  # requests since the previous record, key bytes, input tokens, output tokens
-_CHOICE, _OBSERVED, _READY, _CLOSED, _SCORES = range(5)  # shared state slots; scores from _SCORES on
+_MARKER = (1 << 64) - 1  # input-token count of a record that only advances the request count
+# Shared state slots; then one score per choice, then the sync table.
+_CHOICE, _OBSERVED, _READY, _CLOSED, _SYNCED, _SCORES = range(6)
+_SYNC_SLOTS = 256  # choices at the latest sync points (the scheduler is never more than one behind)
 RING_BYTES = 64 << 20  # ~8M tokens of requests in flight to the tuner
 _CHECK_EVERY_S = 1.0  # how often the scheduler side checks the child's health
 _BATCH = 16  # finished requests handed to the child at once
+_HANDOVER_S = 1.0  # a partial batch waits at most this long (checked at each release and when idle)
+_WAIT_S = 0.0005  # sleep between looks while the scheduler waits for the child
 _POLL_S, _IDLE_POLL_S, _IDLE_S = 0.002, 0.05, 0.5
 _NICE = 19
 
 
 class BackgroundShadowTuner:
-    """Scheduler side: `observe` each finished request (never blocks; returns a new choice when
-    the child has adopted one). `close()` stops the child and returns its log (None if it failed)."""
+    """Scheduler side: `observe` each finished request (never blocks but for backpressure),
+    `mark_sync()` at each sync point, `choice_at(k)` for the decision to adopt there. `close()`
+    stops the child and returns its log (None if it failed)."""
 
     def __init__(self, profile, capacity_bytes: int, config: ShadowConfig, *, state_slots: int | None = None,
-                 checkpoint_grid: int = 1, page_size: int = 1, stall_s: float = 60.0):
+                 checkpoint_grid: int = 1, page_size: int = 1, stall_s: float = 60.0, sync_every: int = 32):
         self.config = config
         self.choices = config.choices
         self.current: Choice = config.start
         self.stall_s = stall_s
-        self.fed = self.dropped = 0
+        self.sync_every = sync_every
+        self.fed = self.dropped = 0  # dropped: only requests too large for the ring (a property of the request)
         self.failed: str | None = None  # why the child was given up, if it was
         self._closed = False  # nothing more is sent once the ring is closed
-        self._since_sent = 0
+        self._since_sent = 0  # requests counted but not yet sent (not sampled, or batched)
         self._batch: list = []
+        self._batch_since = 0.0  # when the oldest request of the batch was released
+        self._pending: collections.deque = collections.deque()  # (requests sent in total, when sent)
+        self._sent = 0  # requests accounted for in the ring (sampled or not)
         ctx = multiprocessing.get_context("spawn")
         self._ring = SharedRing(ctx, RING_BYTES)
-        self._state = ctx.RawArray("d", _SCORES + len(self.choices))
-        self._index = self.choices.index(self.current)
-        self._state[_CHOICE] = self._index
+        self._state = ctx.RawArray("d", _SCORES + len(self.choices) + _SYNC_SLOTS)
+        self._table = _SCORES + len(self.choices)
+        self._state[_CHOICE] = self.choices.index(self.current)
+        self._state[_SYNCED] = -1.0
         self._result_recv, result_send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=run_shadow_tuner, name="marconi-shadow-tuner", daemon=True,
             args=(self._ring, result_send, self._state, os.getpid(), profile, capacity_bytes, state_slots, config,
-                  checkpoint_grid, page_size),
+                  checkpoint_grid, page_size, sync_every),
         )
         _start_without_main(self._proc)
         result_send.close()
@@ -74,61 +95,95 @@ class BackgroundShadowTuner:
         # blocks would go back to multiprocessing's heap and be handed to the next tuner while this
         # child still wrote into them. The finalizer keeps them until the child is gone.
         weakref.finalize(self, _reap_child, os.getpid(), self._proc, self._state, self._ring)
-        self._observed_at = (0.0, time.monotonic())  # (observed count, when it last changed)
         self._next_check = time.monotonic() + _CHECK_EVERY_S
 
     # -- scheduler thread ----------------------------------------------------------------------
-    def observe(self, session_key: str, input_ids, output_ids) -> Choice | None:
-        """One finished request. Requests are handed to the child in batches of `_BATCH` (a hot loop
-        costs the scheduler a fraction of one call per request); the child's choice is read every
-        time (one shared-memory read): returns it if it changed, else None."""
+    def observe(self, session_key: str, input_ids, output_ids) -> None:
+        """One finished request, handed over in batches of `_BATCH` (or when the oldest has waited
+        `_HANDOVER_S`)."""
         batch = self._batch
+        if not batch:
+            self._batch_since = time.monotonic()
         batch.append((session_key, input_ids, output_ids))
-        if len(batch) >= _BATCH:
+        if len(batch) >= _BATCH or time.monotonic() - self._batch_since >= _HANDOVER_S:
             self._flush()
-        return self.poll()
+
+    def flush_idle(self) -> None:
+        """The scheduler is idle: hand over what is batched, and look at the child's health."""
+        self._flush()
+        self._maybe_check_health()
+
+    def mark_sync(self) -> None:
+        """A sync point of the stream: everything released so far goes to the child, with a marker
+        so that it counts requests up to exactly here even if none of them was sampled."""
+        self._flush()
+        if self._since_sent and not self._closed:
+            self._put(_META.pack(self._since_sent, 0, _MARKER, 0), b"", b"")
+            self._since_sent = 0
+
+    def choice_at(self, k: int) -> Choice | None:
+        """The child's choice as of request `k * sync_every`, waiting for the child if it has not
+        got there yet; None if the child failed (now or while waiting)."""
+        while self.failed is None:
+            if self._state[_SYNCED] >= k:
+                fence()
+                index = int(self._state[self._table + k % _SYNC_SLOTS])
+                self.current = self.choices[index]
+                return self.current
+            self._check_health(time.monotonic())
+            time.sleep(_WAIT_S)
+        return None
 
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
         if self._closed:
             return
-        rate, ring = self.config.sample_rate, self._ring
+        rate = self.config.sample_rate
         for session_key, input_ids, output_ids in batch:
             self._since_sent += 1
             if rate < 1 and not session_in_sample(session_key, rate):
                 continue
             key = session_key.encode()
             inp, out = _int64_buffer(input_ids), _int64_buffer(output_ids)
-            if ring.put((_META.pack(self._since_sent, len(key), len(inp) // 8, len(out) // 8) + key, inp, out)):
+            record = (_META.pack(self._since_sent, len(key), len(inp) // 8, len(out) // 8) + key, inp, out)
+            if self._put(*record):
                 self.fed += 1
                 self._since_sent = 0
-            else:
+            elif not self._closed:  # larger than the ring can ever hold: counted with the next record
                 self.dropped += 1
+        self._maybe_check_health()
+
+    def _put(self, head: bytes, inp, out) -> bool:
+        """Append one record, waiting while the ring is full (backpressure: dropping a request would
+        make the decisions depend on the child's pace). False if it can never fit or the child failed."""
+        since = _META.unpack_from(head)[0]
+        while not self._ring.put((head, inp, out)):
+            if not self._ring.fits(len(head) + len(inp) + len(out)) or self._closed:
+                return False
+            self._check_health(time.monotonic())
+            time.sleep(_WAIT_S)
+        self._sent += since
+        self._pending.append((self._sent, time.monotonic()))
+        return True
+
+    def _maybe_check_health(self) -> None:
         now = time.monotonic()
-        if now >= self._next_check:  # the child's health, checked at most once a second
+        if now >= self._next_check:  # at most once a second
             self._next_check = now + _CHECK_EVERY_S
             self._check_health(now)
 
-    def poll(self) -> Choice | None:
-        """The child's current choice if it changed since the last poll, else None."""
-        if self._closed:
-            return None
-        index = int(self._state[_CHOICE])
-        if index == self._index:
-            return None
-        self._index = index
-        self.current = self.choices[index]
-        return self.current
-
     def _check_health(self, now: float) -> None:
+        if self._closed:
+            return
         code = self._proc.exitcode
         if code is not None:
             return self._give_up(f"the shadow tuner process exited (code {code})")
-        observed = self._state[_OBSERVED]
-        if observed != self._observed_at[0]:
-            self._observed_at = (observed, now)
-        elif self.fed > observed and now - self._observed_at[1] > self.stall_s:
-            self._give_up(f"the shadow tuner observed nothing for {self.stall_s:g} s with requests waiting")
+        read = self._state[_OBSERVED]
+        pending = self._pending
+        while pending and pending[0][0] <= read:
+            pending.popleft()
+        if pending and now - pending[0][1] > self.stall_s:  # the oldest unread request's wait
+            self._give_up(f"the shadow tuner left a request unread for {self.stall_s:g} s")
 
     def _give_up(self, why: str) -> None:
         self.failed = why
@@ -143,6 +198,11 @@ class BackgroundShadowTuner:
     @property
     def ready(self) -> bool:
         return bool(self._state[_READY])
+
+    @property
+    def leading(self) -> Choice:
+        """The child's current choice (not yet in force: that waits for a sync point)."""
+        return self.choices[int(self._state[_CHOICE])]
 
     def scores(self) -> dict[str, float]:
         return {choice_label(c): float(self._state[_SCORES + i]) for i, c in enumerate(self.choices)}
@@ -159,7 +219,7 @@ class BackgroundShadowTuner:
 
     def close(self, timeout: float = 30.0) -> TunerLog | None:
         """Stop the child after it has observed what was sent; its log, or None if it failed."""
-        self._flush()
+        self.mark_sync() if self.failed is None else None
         self._close_ring()  # end of stream: the child observes what it has, then reports
         result = None
         if self._result_recv.poll(timeout if self.failed is None else 0):
@@ -208,13 +268,37 @@ def _int64_buffer(tokens) -> memoryview:
 
 # -- the child process ----------------------------------------------------------------------------
 
+class SyncRecorder:
+    """The choice in force after exactly every `sync_every`-th request, for a tuner fed every
+    request in order; used by the child process and by the inline tuner."""
+
+    def __init__(self, tuner: ShadowTuner, sync_every: int, record):
+        self.tuner, self.sync_every, self.record = tuner, sync_every, record
+        self.next_k = 0  # the next sync point to record
+
+    def advance(self, requests: int) -> None:
+        """Record every sync point up to `requests` with the tuner's current choice."""
+        while self.next_k * self.sync_every <= requests:
+            self.record(self.next_k, self.tuner.choices.index(self.tuner.current))
+            self.next_k += 1
+
+
 def run_shadow_tuner(ring: SharedRing, result_send, state, parent_pid, profile, capacity_bytes, state_slots, config,
-                     checkpoint_grid, page_size) -> None:
-    """Observe requests from `ring` until the parent closes it (or exits); publish the choice and
-    scores in `state`; send the final `TunerLog` on `result_send`."""
+                     checkpoint_grid, page_size, sync_every) -> None:
+    """Observe requests from `ring` until the parent closes it (or exits); publish the choice,
+    scores and sync table in `state`; send the final `TunerLog` on `result_send`."""
     _yield_to_the_scheduler()
     tuner = ShadowTuner(profile, capacity_bytes, config, checkpoint_grid=checkpoint_grid, page_size=page_size,
                         state_slots=state_slots)
+    table = _SCORES + len(tuner.choices)
+
+    def record(k: int, index: int) -> None:
+        state[table + k % _SYNC_SLOTS] = index
+        fence()
+        state[_SYNCED] = k
+
+    recorder = SyncRecorder(tuner, sync_every, record)
+    recorder.advance(0)
     state[_READY] = 1.0
     scores_at = -1
     idle_since = time.monotonic()
@@ -232,9 +316,9 @@ def run_shadow_tuner(ring: SharedRing, result_send, state, parent_pid, profile, 
                 time.sleep(_POLL_S if time.monotonic() - idle_since < _IDLE_S else _IDLE_POLL_S)
                 continue
         idle_since = time.monotonic()
-        _observe(tuner, memoryview(payload))
-        state[_OBSERVED] = tuner.log.requests
+        _observe(tuner, recorder, memoryview(payload))
         state[_CHOICE] = tuner.choices.index(tuner.current)
+        state[_OBSERVED] = tuner.log.requests
         if tuner.log.sampled - scores_at >= config.epoch:  # scores change slowly: publish per epoch
             scores_at = tuner.log.sampled
             for i, s in enumerate(tuner.scores):
@@ -249,21 +333,27 @@ def _yield_to_the_scheduler() -> None:
     """The lowest nice level: the tuner runs on cores the serving engine leaves free (most of a GPU
     host's), and gives way where the engine needs them all (a CPU engine's forward passes): at
     nice 5 it took back most of the TTFT that the extra hits saved on a 2-core CPU server
-    (docs/benchmarks.md). Decisions come later there, never the scheduler."""
+    (docs/benchmarks.md). When it falls a whole sync interval behind, the scheduler waits for it."""
     try:
         os.nice(_NICE)
     except OSError:
         pass
 
 
-def _observe(tuner: ShadowTuner, payload: memoryview) -> None:
+def _observe(tuner: ShadowTuner, recorder: SyncRecorder, payload: memoryview) -> None:
     since, key_len, n_in, n_out = _META.unpack_from(payload)
+    if n_in == _MARKER:  # requests that were not sent (not sampled, or batched before a sync point)
+        tuner.log.requests += since
+        recorder.advance(tuner.log.requests)
+        return
     start = _META.size
     key = bytes(payload[start:start + key_len]).decode()
     start += key_len
     tokens = np.frombuffer(payload[start:start + 8 * (n_in + n_out)], dtype=np.int64).copy()
-    tuner.log.requests += since - 1  # requests the scheduler did not send (not sampled, or dropped)
+    tuner.log.requests += since - 1  # requests the scheduler did not send (not sampled, or too large)
+    recorder.advance(tuner.log.requests)  # sync points among them: the choice before this request
     if n_in == 0:
         tuner.log.requests += 1
-        return
-    tuner.observe(key, tokens[:n_in], tokens[n_in:n_in + n_out])
+    else:
+        tuner.observe(key, tokens[:n_in], tokens[n_in:n_in + n_out])
+    recorder.advance(tuner.log.requests)

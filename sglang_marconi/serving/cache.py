@@ -25,7 +25,7 @@ def marconi_cache_class():
             result = super().match_prefix(params)
             req = getattr(params, "req", None)
             if self.marconi_runtime is not None and req is not None:
-                self.marconi_runtime.on_match(req.rid, result.full_kv_hit_length)
+                self.marconi_runtime.on_match(req, result.full_kv_hit_length)
             return result
 
         def _evict(self, params, *args, **kwargs):
@@ -43,9 +43,7 @@ def marconi_cache_class():
             super().on_release(req, checkpointed=checkpointed)
             self._update_marconi_index()
             if self.marconi_runtime is not None and checkpointed:
-                session = req.session_id or req.rid
-                self.marconi_runtime.on_release(req.rid, str(session), req.origin_input_ids, req.output_ids,
-                                                req.cached_tokens)
+                self.marconi_runtime.on_release(req)
 
         def _update_marconi_index(self):
             # Re-evaluate the nodes this insert or release changed now, while their data is

@@ -32,7 +32,8 @@ class MarconiServingConfig:
     tune_sample_rate: float = 1.0
     tune_epoch: int = ShadowConfig.epoch
     tune_margin: float = ShadowConfig.margin
-    tune_timeout_s: float = 60.0  # a tuner that observes nothing this long with requests waiting is given up
+    tune_timeout_s: float = 60.0  # a tuner that leaves a request it was handed unread this long is given up
+    tune_sync_every: int = 32  # releases between sync points (where a choice is adopted, ranks agree)
     bootstrap_multiplier: float = 5.0  # no longer used (no bootstrap windows); kept so old flags still parse
     extra: dict = field(default_factory=dict)
 
@@ -114,6 +115,10 @@ def add_marconi_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--marconi-tune-epoch", default=str(ShadowConfig.epoch), help="sampled requests between decisions")
     g.add_argument("--marconi-tune-margin", default=str(ShadowConfig.margin),
                    help="lead a choice needs over the current one, as a share of the most the requests could save")
+    g.add_argument("--marconi-tune-sync-every", default=str(MarconiServingConfig.tune_sync_every),
+                   help="releases between sync points: where the tuner's choice takes effect and TP/PP ranks agree")
+    g.add_argument("--marconi-tune-stall-timeout", default=f"{MarconiServingConfig.tune_timeout_s:g}",
+                   help="seconds the tuner may leave a request unread before tuning stops (idle time never counts)")
     g.add_argument("--marconi-bootstrap-multiplier", default="5", help="ignored (no bootstrap windows any more)")
 
 
@@ -131,6 +136,12 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
     workers = _number("--marconi-tune-workers", ns.marconi_tune_workers, int)
     if workers < 0:
         raise _flag_error("--marconi-tune-workers", ns.marconi_tune_workers, "must be >= 0")
+    sync_every = _number("--marconi-tune-sync-every", ns.marconi_tune_sync_every, int)
+    if sync_every < 1:
+        raise _flag_error("--marconi-tune-sync-every", ns.marconi_tune_sync_every, "must be >= 1")
+    stall = _number("--marconi-tune-stall-timeout", ns.marconi_tune_stall_timeout)
+    if not stall > 0:
+        raise _flag_error("--marconi-tune-stall-timeout", ns.marconi_tune_stall_timeout, "must be > 0")
     config = MarconiServingConfig(
         alpha=_alpha(ns.marconi_alpha),
         alpha_grid=_grid(ns.marconi_alpha_grid),
@@ -142,6 +153,8 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
         tune_sample_rate=_number("--marconi-tune-sample-rate", ns.marconi_tune_sample_rate),
         tune_epoch=_number("--marconi-tune-epoch", ns.marconi_tune_epoch, int),
         tune_margin=_number("--marconi-tune-margin", ns.marconi_tune_margin),
+        tune_sync_every=sync_every,
+        tune_timeout_s=stall,
         bootstrap_multiplier=multiplier,
     )
     try:

@@ -25,6 +25,9 @@ def register() -> None:
     from sglang_marconi.serving.two_pass_prefill import install_two_pass_prefill_hook
 
     register_hooks()
+    from sglang_marconi.serving.idle_hook import register_idle_hook
+
+    register_idle_hook()  # hand the tuner its partial batch and publish gauges while idle
     install_two_pass_prefill_hook()  # end a prefill chunk at the branch (no_buffer mode)
 
 
@@ -63,7 +66,9 @@ def marconi_radix_cache_factory(ctx):
         **marconi_component_overrides(settings, mamba_mixins=mixins),
     }
     cache = create_unified_radix_cache(ctx, cache_class=marconi_cache_class())
-    runtime = attach_runtime(cache, settings, config)
+    from sglang_marconi.serving.lockstep import RankGroup
+
+    runtime = attach_runtime(cache, settings, config, group=RankGroup.from_cache_params(ctx.params))
     if getattr(ctx.server_args, "enable_metrics", False):
         from sglang_marconi.serving.metrics import PrometheusGauges
 
@@ -74,7 +79,7 @@ def marconi_radix_cache_factory(ctx):
     return cache
 
 
-def attach_runtime(cache, settings, config):
+def attach_runtime(cache, settings, config, group=None):
     """Give a Marconi-built cache its runtime (figures, tuning); returns the runtime."""
     from sglang_marconi.serving.runtime import MarconiRuntime
 
@@ -82,7 +87,7 @@ def attach_runtime(cache, settings, config):
     cache.marconi_settings = settings
     cache.marconi_config = config
     cache.marconi_eager_index_upkeep = bool(config.admission)
-    cache.marconi_runtime = MarconiRuntime(cache, settings, config, checkpoint_grid=grid)
+    cache.marconi_runtime = MarconiRuntime(cache, settings, config, checkpoint_grid=grid, group=group)
     return cache.marconi_runtime
 
 

@@ -3,9 +3,17 @@ choice by shadow caches (`policy/shadow_tuner.py`).
 
 The cache (`serving/cache.py`) reports matches, evictions and releases here. With `--marconi-alpha
 auto` every finished request is fed to the shadow tuner, which runs in a background process
-(`background_tuner.py`): feeding and polling cost the scheduler thread a few microseconds, and a
-dying or stalled tuner costs one warning and keeps the current choice. With `tune_workers=0` the
-shadows run inline on the scheduler thread (deterministic; for tests and debugging).
+(`background_tuner.py`) on the group's first rank; with `tune_workers=0` the shadows run inline on
+the scheduler thread (for tests and debugging).
+
+Lockstep: every `sync_every` releases is a sync point. There the runtime adopts the tuner's choice
+*as of the previous sync point* (so the choice in force at every request is a function of the
+request stream alone, whatever the tuner's pace), and the ranks that share one scheduling agree
+on it, on any rank's tuner failure and on any Marconi fault (`lockstep.RankGroup`): nothing that
+changes the tree happens between sync points, and every rank changes it at the same one.
+
+Per-request bookkeeping lives on SGLang's `Req` (`marconi_full_kv_hit`), so a request released
+by any path (abort, retraction, PD transfer) leaves nothing behind here.
 
 The shadows model SGLang's two pools: KV tokens (the KV pool's size) and SSM states (the Mamba
 pool's slots), each scaled by the sample rate.
@@ -42,20 +50,41 @@ class InlineShadowTuner:
     failed = None
     dropped = 0
 
-    def __init__(self, profile, capacity_bytes, config, **kwargs):
+    def __init__(self, profile, capacity_bytes, config, *, sync_every: int = 32, **kwargs):
+        from sglang_marconi.serving.background_tuner import SyncRecorder
+
         kwargs.pop("stall_s", None)
         self.tuner = ShadowTuner(profile, capacity_bytes, config, **kwargs)
         self.choices = self.tuner.choices
         self.fed = 0
+        self._table: dict[int, int] = {}
+        self._recorder = SyncRecorder(self.tuner, sync_every, self._table.__setitem__)
+        self._recorder.advance(0)
 
-    def observe(self, session_key: str, input_ids, output_ids) -> Choice | None:
+    def observe(self, session_key: str, input_ids, output_ids) -> None:
         self.fed += 1
-        return self.tuner.observe(session_key, np.asarray(input_ids, dtype=np.int64),
-                                  np.asarray(output_ids, dtype=np.int64))
+        self.tuner.observe(session_key, np.asarray(input_ids, dtype=np.int64), np.asarray(output_ids, dtype=np.int64))
+        self._recorder.advance(self.tuner.log.requests)
+
+    def mark_sync(self) -> None:
+        pass
+
+    def flush_idle(self) -> None:
+        pass
+
+    def choice_at(self, k: int) -> Choice:
+        choice = self.choices[self._table.pop(k)]
+        for old in [j for j in self._table if j < k]:
+            del self._table[old]
+        return choice
 
     @property
     def observed(self) -> int:
         return self.tuner.log.requests
+
+    @property
+    def leading(self) -> Choice:
+        return self.tuner.current
 
     def scores(self) -> dict[str, float]:
         return self.tuner.score_table()
@@ -68,27 +97,35 @@ class InlineShadowTuner:
 
 
 class MarconiRuntime:
-    def __init__(self, cache, settings, config, checkpoint_grid: int):
+    def __init__(self, cache, settings, config, checkpoint_grid: int, group=None):
+        from sglang_marconi.serving.lockstep import RankGroup
+
         self.settings = settings
         self.profile = settings.profile
         self.config = config
         self.checkpoint_grid = checkpoint_grid
+        self.group = group if group is not None else RankGroup()
+        self.sync_every = config.tune_sync_every
         self.figures = ServingFigures()
-        self._full_kv_hits: dict[str, int] = {}  # rid -> full-KV hit of its latest match
         self.cache = cache
         self.exporter = None  # PrometheusGauges when SGLang runs with --enable-metrics
         self.tuner = None
         self.tuner_log = None  # the tuner's log, once closed
+        self.released = 0  # releases seen: the stream position sync points are counted in
+        self.tuning_failed: str | None = None  # why the group stopped tuning (any rank's tuner failed)
         self._tuning = config.alpha is None
+        self._syncing = self._tuning or not self.group.single  # a group agrees on faults even without tuning
         self.adoptions: list[tuple[int, Choice]] = []  # (requests released, choice adopted then)
+        settings.on_fault = self._on_fault
         if self._tuning:
-            self.tuner = self._start_tuner(cache)
             self._adopt(config.tuning().start)
+            if self.group.is_leader:
+                self.tuner = self._start_tuner(cache)
 
     def _start_tuner(self, cache):
         kv_tokens = cache.token_to_kv_pool_allocator.size
         kwargs = dict(state_slots=cache.req_to_token_pool.mamba_pool.size, checkpoint_grid=self.checkpoint_grid,
-                      page_size=cache.page_size)
+                      page_size=cache.page_size, sync_every=self.sync_every)
         capacity = max(1, int(kv_tokens * self.profile.kv_bytes_per_token))
         if self.config.tune_workers == 0:
             return InlineShadowTuner(self.profile, capacity, self.config.tuning(), **kwargs)
@@ -108,6 +145,10 @@ class MarconiRuntime:
             return LRU
         return seglen_choice(s.alpha) if s.value_kind == "seglen" else s.alpha
 
+    @property
+    def faulted(self) -> str | None:
+        return getattr(self.settings, "faulted", None)
+
     def _adopt(self, choice: Choice) -> None:
         s = self.settings
         if choice == LRU:
@@ -118,46 +159,125 @@ class MarconiRuntime:
         s.value_kind = "seglen" if isinstance(eviction, SegLenEviction) else "flops"
         s.alpha = eviction.alpha
 
-    def on_match(self, rid: str, full_kv_hit: int) -> None:
+    # -- the cache's reports -----------------------------------------------------------------
+    def on_match(self, req, full_kv_hit: int) -> None:
         # A waiting request is matched again at each scheduling round; the last match is the
-        # one its prefill used.
-        self._full_kv_hits[rid] = full_kv_hit
+        # one its prefill used. Kept on the request: it goes when the request goes.
+        req.marconi_full_kv_hit = full_kv_hit
 
     def on_evict(self, tokens: int, states: int) -> None:
         self.figures.evicted_tokens += tokens
         self.figures.evicted_states += states
 
-    def on_release(self, rid: str, session_key: str, input_ids, output_ids, hit: int) -> None:
-        """`hit`: the prefix whose prefill was skipped, as SGLang reports it (`cached_tokens`)."""
-        full_kv_hit = self._full_kv_hits.pop(rid, 0)
-        n = len(input_ids)
+    def on_release(self, req) -> None:
+        """A request released into the tree. Its prefix whose prefill was skipped is what SGLang
+        reports (`req.cached_tokens`)."""
+        try:
+            self._account(req)
+            if self.tuner is not None and self._tuning and self.tuner.failed is None:
+                # SGLang caches input + output[:-1]: the last decoded token was never fed back (no KV).
+                self.tuner.observe(str(req.session_id or req.rid), req.origin_input_ids, req.output_ids[:-1])
+        except Exception as exc:  # never the scheduler: fall back (the group follows at the sync point)
+            self._fault("release", exc)
+        self.released += 1
+        if self._syncing and self.released % self.sync_every == 0:
+            self._sync(self.released // self.sync_every)
+        self._publish()
+
+    def _account(self, req) -> None:
+        n = len(req.origin_input_ids)
+        hit = req.cached_tokens
         f = self.figures
         f.requests += 1
         f.input_tokens += n
         f.hit_tokens += hit
-        f.blocked_tokens += max(0, min(full_kv_hit, n - 1) - hit)
+        f.blocked_tokens += max(0, min(getattr(req, "marconi_full_kv_hit", 0), n - 1) - hit)
         f.flops_total += self.profile.prefill_flops(0, n)
         f.flops_saved += self.profile.prefill_flops(0, hit)
-        if self._tuning and self.tuner.failed is None:
-            self._tune(session_key, input_ids, output_ids)
-        if self.exporter is not None:
-            self.exporter.publish(self.metrics(self.cache))
 
-    def _tune(self, session_key: str, input_ids, output_ids) -> None:
+    def on_idle(self) -> None:
+        """The scheduler has nothing to run: hand the tuner what is batched, publish the gauges."""
         try:
-            # SGLang caches input + output[:-1]: the last decoded token was never fed back (no KV).
-            choice = self.tuner.observe(session_key, input_ids, output_ids[:-1])
-        except Exception as exc:  # tuning must never take the scheduler down
-            log.warning("Marconi tuning stopped after an error (%s: %s); keeping eviction choice %s",
-                        type(exc).__name__, exc, choice_label(self.choice))
-            self.tuner.failed = f"{type(exc).__name__}: {exc}"
+            if self.tuner is not None and self._tuning and self.tuner.failed is None:
+                self.tuner.flush_idle()
+            self._publish(idle=True)
+        except Exception as exc:
+            self._fault("idle", exc)
+
+    # -- sync points -------------------------------------------------------------------------
+    def _sync(self, k: int) -> None:
+        """Sync point k (release k * sync_every), at the same request on every rank."""
+        choice, failed = -1, False
+        tuner = self.tuner
+        if tuner is not None and self._tuning:
+            try:
+                tuner.mark_sync()
+                decided = tuner.choice_at(k - 1) if tuner.failed is None else None
+                failed = tuner.failed is not None or decided is None
+                if not failed:
+                    choice = tuner.choices.index(decided)
+            except Exception as exc:
+                self._fault("tuner", exc)
+                failed = True
+        try:
+            agreed = self.group.agree(choice, failed, self.faulted is not None)
+        except Exception as exc:  # the group itself is broken: this rank can only fall back alone
+            self._syncing = False
+            return self._fault("rank group", exc)
+        if agreed.faulted:
+            if self.faulted is None:
+                self._fault("another rank of the group", RuntimeError("Marconi faulted there"))
+            self._stop_tuning("a Marconi fault")
+            self._syncing = False  # nothing left to agree on: every rank stops here
             return
-        if choice is not None:
-            self._adopt(choice)
-            self.adoptions.append((self.figures.requests, choice))
-            if not self.config.retune:  # the paper tunes once: stop here, without waiting
-                self._tuning = False
-                self.tuner.stop()
+        if agreed.tuner_failed and self._tuning:
+            why = tuner.failed if tuner is not None and tuner.failed else "the group's shadow tuner failed"
+            return self._stop_tuning(why)
+        if self._tuning and agreed.choice >= 0:
+            chosen = self.config.tuning().choices[agreed.choice]
+            if chosen != self.choice:
+                self._adopt(chosen)
+                self.adoptions.append((self.figures.requests, chosen))
+                if not self.config.retune:  # the paper tunes once: stop here
+                    self._stop_tuning(None)
+
+    def _stop_tuning(self, why: str | None) -> None:
+        if not self._tuning:
+            return
+        self._tuning = False
+        if why is not None:
+            self.tuning_failed = why
+        if self.tuner is not None:
+            self.tuner.stop()
+        self._syncing = not self.group.single and self.faulted is None
+
+    # -- faults --------------------------------------------------------------------------------
+    def _fault(self, where: str, exc: BaseException) -> None:
+        fault = getattr(self.settings, "fault", None)
+        if fault is not None:
+            fault(where, exc)
+        else:  # settings without the fault protocol: warn once here
+            if getattr(self.settings, "faulted", None) is None:
+                self.settings.faulted = f"{where}: {type(exc).__name__}: {exc}"
+                log.warning("Marconi fault in %s (%s: %s); falling back to upstream's eviction", where,
+                            type(exc).__name__, exc)
+            self._on_fault()
+
+    def _on_fault(self, *args) -> None:
+        """Called once by the settings on the first fault: no more tuning on this rank (the group
+        stops at the next sync point)."""
+        if self.tuner is not None and self._tuning:
+            self.tuner.stop()
+
+    def _publish(self, idle: bool = False) -> None:
+        exporter = self.exporter
+        if exporter is None:
+            return
+        maybe = getattr(exporter, "maybe_publish", None)
+        if maybe is not None:  # at most once per metrics interval, from the stats rank
+            maybe(lambda: self.metrics(self.cache))
+        elif not idle:
+            exporter.publish(self.metrics(self.cache))
 
     def metrics(self, cache) -> dict:
         """The figures `/server_info` and the Prometheus gauges show."""
@@ -173,8 +293,8 @@ class MarconiRuntime:
             "marconi_prefill_flops_saved": f.flops_saved,
             "marconi_prefill_flops_saved_fraction": f.flops_saved / f.flops_total if f.flops_total else 0.0,
             "marconi_alpha": self.alpha,
-            "marconi_eviction_policy": "lru" if self.settings.use_upstream_lru else (
-                "seglen" if self.settings.value_kind == "seglen" else "marconi"),
+            "marconi_eviction_policy": "upstream" if self.faulted is not None else
+            "lru" if self.settings.use_upstream_lru else ("seglen" if self.settings.value_kind == "seglen" else "marconi"),
             "marconi_choice": choice_label(self.choice),
             "marconi_shadow_scores": tuner.scores() if tuner is not None else {},
             "marconi_tuner_requests_fed": tuner.fed if tuner is not None else 0,
@@ -189,19 +309,22 @@ class MarconiRuntime:
             "marconi_admissions_skipped_no_slot": admission.skipped_no_slot if admission else 0,
             "marconi_blocked_hit_tokens": f.blocked_tokens,
             "marconi_requests": f.requests,
-            "marconi_tuning_failures": int(tuner is not None and tuner.failed is not None),
+            "marconi_tuning_failures": int(self.tuning_failed is not None or (tuner is not None and tuner.failed is not None)),
+            "marconi_choice_switches": len(self.adoptions),
+            "marconi_sync_points": self.released // self.sync_every,
             "marconi_two_pass_splits": two_pass.splits + two_pass.continuation_splits if two_pass else 0,
             "marconi_two_pass_skipped": two_pass.skipped_other_chunked + two_pass.skipped_unaligned if two_pass else 0,
             "marconi_two_pass_deferred": two_pass.deferred_second_chunked if two_pass else 0,
         }
 
     def close(self) -> None:
-        """Stop tuning once the tuner has observed what it was fed (the choice in force stays); its
-        log is kept in `tuner_log`."""
+        """Stop tuning once the tuner has observed what it was fed; its log is kept in `tuner_log`.
+        A lone rank adopts the tuner's last decision (made after the last sync point); a group
+        keeps the choice it agreed on."""
         if self.tuner is not None and self.tuner_log is None:
             tuning, self._tuning = self._tuning, False
             self.tuner_log = self.tuner.close()
-            if tuning and self.tuner_log is not None:  # a decision made after the last poll
+            if tuning and self.group.single and self.tuner_log is not None and self.faulted is None:
                 self._adopt(self.tuner_log.decisions[-1][1])
 
 

@@ -66,11 +66,15 @@ class SharedRing:
         return view
 
     # -- producer ------------------------------------------------------------------------------
+    def fits(self, payload_len: int) -> bool:
+        """Whether a record of `payload_len` bytes can ever be put (at most half the ring)."""
+        return _record_bytes(payload_len) <= self.size // 2
+
     def put(self, parts) -> bool:
         """Append one record made of `parts` (bytes-like); False (nothing written) if it does not fit."""
         n = sum(len(p) for p in parts)
         total = _record_bytes(n)
-        if total > self.size // 2:
+        if not self.fits(n):
             return False
         head, tail = self._written, self.tail.value
         at = head % self.size

@@ -147,7 +147,33 @@ def main(argv=None) -> int:
     argv = [sys.executable, "-m", LAUNCHERS[args.launcher], "--model-path", str(model), "--host", "127.0.0.1",
             "--port", str(args.port), *CPU_FLAGS, *extra]
     print(f"serving {model} on http://127.0.0.1:{args.port}: {' '.join(argv[1:])}", flush=True)
-    return subprocess.call(argv, env=cpu_engine_env())
+    return run_until_signalled(argv, cpu_engine_env())
+
+
+def run_until_signalled(argv, env) -> int:
+    """Run the server in its own process group; SIGTERM, SIGINT (Ctrl-C) or SIGHUP stop that whole
+    group (launcher, tokenizer, schedulers, detokenizer, the tuner), then this process exits."""
+    process = subprocess.Popen(argv, env=env, start_new_session=True)
+
+    def stop(signum, _frame):
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(wait_s)
+                os.killpg(process.pid, signal.SIGKILL)  # stragglers SGLang's own cleanup left
+            except subprocess.TimeoutExpired:
+                continue
+            except ProcessLookupError:
+                pass
+            break
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+    return process.wait()
 
 
 if __name__ == "__main__":

@@ -203,9 +203,9 @@ def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None,
     return req, hit
 
 
-def build_marconi_serving(config, profile="nemotron-h-8b", **kwargs):
+def build_marconi_serving(config, profile="nemotron-h-8b", group=None, **kwargs):
     """The cache the `marconi` backend's factory builds (components, admission, cache class,
-    runtime), on CPU; returns (CpuCache, MarconiRuntime)."""
+    runtime), on CPU; returns (CpuCache, MarconiRuntime). `group`: the runtime's `RankGroup`."""
     from sglang_marconi.serving.admission import admission_mixin
     from sglang_marconi.serving.cache import marconi_cache_class
     from sglang_marconi.serving.eviction_components import MarconiEvictionSettings, marconi_component_overrides
@@ -215,7 +215,7 @@ def build_marconi_serving(config, profile="nemotron-h-8b", **kwargs):
     mixins = (admission_mixin(),) if config.admission else ()
     overrides = marconi_component_overrides(settings, mamba_mixins=mixins)
     cc = build_cache(component_registry_override=overrides, cache_class=marconi_cache_class(), **kwargs)
-    return cc, attach_runtime(cc.cache, settings, config)
+    return cc, attach_runtime(cc.cache, settings, config, group=group)
 
 
 def _track_extend(cc: CpuCache, req: Req) -> None:

@@ -113,29 +113,58 @@ def test_dying_tuner_keeps_the_choice_and_warns_once(caplog, monkeypatch):
     assert figures["marconi_requests"] == 60 and figures["marconi_tuning_failures"] == 1
 
 
-def test_stalled_tuner_is_given_up_and_requests_are_dropped_not_waited_for(caplog, monkeypatch):
+def test_stalled_tuner_is_given_up_at_the_next_sync_point_and_serving_goes_on(caplog, monkeypatch):
     monkeypatch.setattr("sglang_marconi.serving.background_tuner._CHECK_EVERY_S", 0.0)
-    cc, runtime = marconi_serving(MarconiServingConfig(alpha=None, tune_timeout_s=0.3), kv_size=2500, mamba_size=8)
+    config = MarconiServingConfig(alpha=None, tune_timeout_s=0.3, tune_sync_every=8)
+    cc, runtime = marconi_serving(config, kv_size=2500, mamba_size=8)
     wait_ready(runtime)
     os.kill(runtime.tuner._proc.pid, signal.SIGSTOP)
     try:
         with caplog.at_level(logging.WARNING):
-            drive(cc, 10)
-            time.sleep(0.5)
-            drive(cc, 10)
-        assert runtime.tuner.failed and "observed nothing" in runtime.tuner.failed
+            started = time.monotonic()
+            drive(cc, 40)  # crosses sync points: the scheduler waits for the child, then gives it up
+            waited = time.monotonic() - started
+        assert runtime.tuner.failed and "unread" in runtime.tuner.failed
         assert caplog.text.count("Marconi tuning stopped") == 1
-        assert runtime.metrics(cc.cache)["marconi_requests"] == 20
+        figures = runtime.metrics(cc.cache)
+        assert figures["marconi_requests"] == 40 and figures["marconi_tuning_failures"] == 1
+        assert runtime.settings.use_upstream_lru  # the choice in force when it stalled
+        assert waited < 30  # waited about one stall limit, once
     finally:
         os.kill(runtime.tuner._proc.pid, signal.SIGCONT)
         runtime.close()
+
+
+def test_idle_periods_longer_than_the_stall_limit_never_stop_tuning(monkeypatch):
+    """A stall is measured from the oldest request the child has not read, not from the last time it
+    read one: a server idle for longer than the limit keeps tuning (it used to give up)."""
+    monkeypatch.setattr("sglang_marconi.serving.background_tuner._CHECK_EVERY_S", 0.0)
+    config = MarconiServingConfig(alpha=None, alpha_grid=(0.0, 2.0, 20.0), seglen_weights=(50.0,),
+                                  tune_timeout_s=0.5, tune_sync_every=8)
+    cc, runtime = marconi_serving(config, kv_size=2500, mamba_size=8)
+    wait_ready(runtime)
+    drive(cc, 5)  # a partial batch: handed over when the scheduler goes idle
+    runtime.on_idle()
+    deadline = time.monotonic() + 30
+    while runtime.tuner.observed < 5:
+        assert time.monotonic() < deadline, "the partial batch never reached the tuner"
+        time.sleep(0.01)
+    time.sleep(1.5)  # idle: three stall limits
+    runtime.on_idle()
+    drive(cc, 115)
+    runtime.on_idle()
+    assert runtime.tuner.failed is None and runtime.tuning_failed is None
+    figures = runtime.metrics(cc.cache)
+    assert figures["marconi_tuning_failures"] == 0 and figures["marconi_choice_switches"] >= 1
+    runtime.close()
+    assert runtime.tuner_log.requests == 120
 
 
 def test_retune_off_adopts_the_first_decision_only():
     config = MarconiServingConfig(alpha=None, alpha_grid=(0.0, 2.0, 20.0), tune_workers=0, retune=False)
     cc, runtime = marconi_serving(config, kv_size=2500, mamba_size=8)
     drive(cc, 120)
-    assert runtime.tuner.tuner.log.decisions[1][1] == runtime.choice != LRU  # the first switch, kept
+    assert len(runtime.adoptions) == 1 and runtime.adoptions[0][1] == runtime.choice != LRU  # the first, kept
     assert runtime.tuner.fed < 120  # nothing fed after it
 
 

@@ -1,0 +1,26 @@
+"""The scheduler's idle path, for the Marconi runtime: a HookRegistry AFTER hook on
+`Scheduler.on_idle` (called by every event loop, normal, overlap and PP, when there is no batch to
+run) hands the shadow tuner its partial batch and publishes the gauges, so an idle server neither
+holds requests back from the tuner nor shows stale figures. It changes nothing in the tree."""
+
+from __future__ import annotations
+
+ON_IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
+_registered = False
+
+
+def after_on_idle(result, scheduler, *args, **kwargs):
+    runtime = getattr(getattr(scheduler, "tree_cache", None), "marconi_runtime", None)
+    if runtime is not None:
+        runtime.on_idle()  # guarded inside: a fault there costs a warning, never the scheduler
+    return result
+
+
+def register_idle_hook() -> None:
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(ON_IDLE_TARGET, after_on_idle, HookType.AFTER)
+    _registered = True

@@ -68,15 +68,26 @@ repeated (`counters.stale_repairs`, which the tests keep at 0; `check()` compare
 efficiency included, with a from-scratch evaluation).
 
 Not covered (the components delegate to upstream's walks, unchanged): HiCache host tiers and
-session radix cache, detected when a walk starts. When alpha tuning has chosen SGLang's LRU, Mamba
+session radix cache, detected when a walk starts (the `marconi` factory builds upstream's own cache
+for these, `serving/plugin.py`; this is the safety net for a cache built another way). When alpha tuning has chosen SGLang's LRU, Mamba
 pressure runs upstream's walk too, and KV pressure takes the index's alpha = 0 victim: with
 SGLang's LRU strategy that is the same leaf (the least recently used evictable one), without
 upstream's heap of every evictable leaf built at each walk's start (O(leaves) per call).
+
+Fault guard: every Marconi-specific step these components take on the scheduler thread (the
+index hooks, the index flush, the victim choice) runs under a guard. An exception there costs one
+warning (`MarconiEvictionSettings.fault`, logged once per cache), marks the settings `faulted`,
+and that call and every later one fall back to upstream's behaviour: the eviction walks are
+upstream's (a walk that faulted mid-way restarts as upstream's), and the index hooks become
+no-ops. Upstream's own code (the `super()` calls, and the tree mutations a Marconi victim
+triggers) stays outside the guard, so SGLang's own errors propagate as they would upstream.
+`observer` is the caller's instrumentation (tests): its exceptions propagate too.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -91,6 +102,7 @@ _PRESSURES = (KV_PRESSURE, MAMBA_PRESSURE)
 _FLOPS_MEMO_SIZE = 1 << 16
 _MAX_PENDING = 1 << 12  # dirty nodes flushed while upstream's walks run
 _node_id = operator.attrgetter("id")
+log = logging.getLogger("sglang_marconi")
 
 __all__ = [
     "EvictionCounters",
@@ -125,6 +137,11 @@ class MarconiEvictionSettings:
 
     `alpha` may be changed at any time (an alpha tuner does); the next eviction uses it.
     `observer`, if set, is called with a `MarconiVictim` for every decision, before it is applied.
+
+    Faults: `fault(where, exc)` records the first exception in Marconi's own code (`faulted`, a
+    one-line description; None while healthy), logs one warning, and calls `on_fault(where, exc)`
+    if set (the runtime sets it: stop tuning, tell the other ranks). From then on every Marconi
+    path of the components and the cache delegates to upstream.
     """
 
     def __init__(self, profile, alpha: float = 0.0, observer: Optional[Callable[[MarconiVictim], None]] = None):
@@ -145,6 +162,23 @@ class MarconiEvictionSettings:
         # The index's second column: "flops" (FLOP efficiency, Marconi) or "seglen" (the replay
         # length back to the anchor, SegLen-style; `alpha` is then its weight).
         self.value_kind = "flops"
+        self.faulted: Optional[str] = None
+        self.on_fault: Optional[Callable[[str, BaseException], None]] = None
+
+    def fault(self, where: str, exc: BaseException) -> None:
+        """Marconi's code raised `exc` in `where`: fall back to upstream from now on (first fault
+        only: later ones are already covered by the fallback and cost nothing)."""
+        if self.faulted is not None:
+            return
+        self.faulted = f"{where}: {type(exc).__name__}: {exc}"
+        log.warning("Marconi fault in %s (%s: %s); this cache falls back to SGLang's own eviction from now on",
+                    where, type(exc).__name__, exc, exc_info=(type(exc), exc, exc.__traceback__))
+        callback = self.on_fault
+        if callback is not None:
+            try:
+                callback(where, exc)
+            except Exception as cb_exc:  # the fallback itself must never take the scheduler down
+                log.warning("Marconi: fault callback failed (%s: %s)", type(cb_exc).__name__, cb_exc)
 
     @property
     def alpha(self) -> float:
@@ -446,6 +480,11 @@ class MarconiTreeIndex:
             assert all(self._slots[p][n.id] == i for i, n in enumerate(index.items)), "slot map out of date"
 
     def report(self, pressure: str, kind: str, node) -> None:
+        """Count one decision and show it to the observer (`count` then `notify`)."""
+        self.count(kind)
+        self.notify(pressure, kind, node)
+
+    def count(self, kind: str) -> None:
         counters = self.settings.counters
         if kind == "leaf":
             counters.evictions_leaf += 1
@@ -453,9 +492,17 @@ class MarconiTreeIndex:
             counters.evictions_single_child += 1
         else:
             counters.evictions_fallback += 1
+
+    def notify(self, pressure: str, kind: str, node) -> None:
         observer = self.settings.observer
         if observer is not None:
             observer(MarconiVictim(pressure, kind, node, self.alpha()))
+
+    def detach(self) -> None:
+        """Stop tracking the tree (after a fault): drop what is pending, record nothing more."""
+        self.root = None
+        self._dirty = set()
+        self._struct = set()
 
 
 def marconi_index(cache) -> MarconiTreeIndex:
@@ -476,7 +523,10 @@ def _component_classes():
     from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
     class _MarconiHooks:
-        """Hooks shared by both components: record what may have changed for the index."""
+        """Hooks shared by both components: record what may have changed for the index.
+
+        Each override runs upstream's hook first, unguarded, then Marconi's bookkeeping under
+        the fault guard (`_marconi_fault`), skipped once the settings are faulted."""
 
         marconi_settings: Optional[MarconiEvictionSettings] = None
 
@@ -492,20 +542,37 @@ def _component_classes():
             elif index.settings is not settings:
                 raise ValueError("the FULL and MAMBA Marconi components of one cache need the same settings")
             self.marconi = index
+            self._marconi_settings = settings
             self._marconi_delegate = False
+
+        def _marconi_fault(self, where: str, exc: BaseException) -> None:
+            """Marconi's code raised on the scheduler thread: one warning, upstream from now on."""
+            self._marconi_settings.fault(f"{type(self).__name__}.{where}", exc)
+            try:
+                self.marconi.detach()
+            except Exception:  # pragma: no cover - nothing left to fall back from
+                pass
 
         def redistribute_on_node_split(self, new_parent, child):
             super().redistribute_on_node_split(new_parent=new_parent, child=child)
-            self.marconi.changed(new_parent)
-            self.marconi.changed(child)
+            if self._marconi_settings.faulted is None:
+                try:
+                    self.marconi.changed(new_parent)
+                    self.marconi.changed(child)
+                except Exception as exc:
+                    self._marconi_fault("redistribute_on_node_split", exc)
 
         def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
             super().commit_insert_component_data(
                 node=node, is_new_leaf=is_new_leaf, params=params, result=result, cache_actions=cache_actions
             )
-            self.marconi.changed(node)
-            if is_new_leaf and node.parent is not None:
-                self.marconi.changed(node.parent)
+            if self._marconi_settings.faulted is None:
+                try:
+                    self.marconi.changed(node)
+                    if is_new_leaf and node.parent is not None:
+                        self.marconi.changed(node.parent)
+                except Exception as exc:
+                    self._marconi_fault("commit_insert_component_data", exc)
 
         def update_component_on_insert_overlap(
             self, node, prefix_len, total_prefix_len, value_slice, params, result, cache_actions
@@ -514,39 +581,66 @@ def _component_classes():
                 node=node, prefix_len=prefix_len, total_prefix_len=total_prefix_len, value_slice=value_slice,
                 params=params, result=result, cache_actions=cache_actions,
             )
-            self.marconi.stamp(node)
+            if self._marconi_settings.faulted is None:
+                try:
+                    self.marconi.stamp(node)
+                except Exception as exc:
+                    self._marconi_fault("update_component_on_insert_overlap", exc)
             return consumed
 
         def acquire_component_lock(self, node, result, lock_host=False):
             result = super().acquire_component_lock(node=node, result=result, lock_host=lock_host)
-            self.marconi.touched(node)
+            if self._marconi_settings.faulted is None:
+                try:
+                    self.marconi.touched(node)
+                except Exception as exc:
+                    self._marconi_fault("acquire_component_lock", exc)
             return result
 
         def release_component_lock(self, node, params, lock_host=False):
             super().release_component_lock(node=node, params=params, lock_host=lock_host)
-            self.marconi.touched(node)
+            if self._marconi_settings.faulted is None:
+                try:
+                    self.marconi.touched(node)
+                except Exception as exc:
+                    self._marconi_fault("release_component_lock", exc)
 
         def evict_component(self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE):
             freed = super().evict_component(
                 node, device_frees=device_frees, host_frees=host_frees, cache_actions=cache_actions, target=target
             )
-            self.marconi.changed(node)
-            if node.parent is not None:
-                self.marconi.touched(node.parent)
+            if self._marconi_settings.faulted is None:
+                try:
+                    self.marconi.changed(node)
+                    if node.parent is not None:
+                        self.marconi.touched(node.parent)
+                except Exception as exc:
+                    self._marconi_fault("evict_component", exc)
             return freed
 
         def discard_deleted_session_leaf(self, node):
             super().discard_deleted_session_leaf(node)
-            self.marconi.changed(node)
-            if node.parent is not None:
-                self.marconi.changed(node.parent)
+            if self._marconi_settings.faulted is None:
+                try:
+                    self.marconi.changed(node)
+                    if node.parent is not None:
+                        self.marconi.changed(node.parent)
+                except Exception as exc:
+                    self._marconi_fault("discard_deleted_session_leaf", exc)
 
         # An eviction walk runs upstream's code unchanged when Marconi delegates (HiCache,
-        # session cache, or alpha tuning chose SGLang's LRU); otherwise the subclass picks victims.
+        # session cache, alpha tuning chose SGLang's LRU, or a fault); otherwise the subclass
+        # picks victims.
         def _evict_device_start(self, request_cnt: int) -> None:
-            pressure = _MAMBA if self.component_type == ComponentType.MAMBA else _KV
-            self._marconi_delegate = self.marconi.delegating(pressure)
-            if self._marconi_delegate:
+            delegate = True
+            if self._marconi_settings.faulted is None:
+                pressure = _MAMBA if self.component_type == ComponentType.MAMBA else _KV
+                try:
+                    delegate = self.marconi.delegating(pressure)
+                except Exception as exc:
+                    self._marconi_fault("_evict_device_start", exc)
+            self._marconi_delegate = delegate
+            if delegate:
                 return super()._evict_device_start(request_cnt)
             self._evict_device_request_cnt = request_cnt
 
@@ -555,6 +649,13 @@ def _component_classes():
                 super()._evict_device_end()
             self._marconi_delegate = False
 
+        def _marconi_upstream_step(self, where, exc, tracker, device_frees, host_frees, cache_actions):
+            """The victim choice faulted mid-walk: continue this walk as upstream's."""
+            self._marconi_fault(where, exc)
+            super()._evict_device_start(self._evict_device_request_cnt)
+            self._marconi_delegate = True
+            return super()._evict_device_next_node(tracker, device_frees, host_frees, cache_actions)
+
     class MarconiFullComponent(_MarconiHooks, FullComponent):
         """SGLang's FULL component, evicting leaves by Marconi's utility under KV pressure."""
 
@@ -562,9 +663,13 @@ def _component_classes():
             result = super().finalize_match_result_in_tree_core(
                 result=result, params=params, value_chunks=value_chunks, best_value_len=best_value_len
             )
-            # SGLang has just stamped best_match_node and all its ancestors; only the node itself
-            # can be in the KV index (its ancestors have a child, so none is a leaf).
-            self.marconi.stamp(result.best_match_node)
+            if self._marconi_settings.faulted is None:
+                # SGLang has just stamped best_match_node and all its ancestors; only the node itself
+                # can be in the KV index (its ancestors have a child, so none is a leaf).
+                try:
+                    self.marconi.stamp(result.best_match_node)
+                except Exception as exc:
+                    self._marconi_fault("finalize_match_result_in_tree_core", exc)
             return result
 
         def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
@@ -572,10 +677,16 @@ def _component_classes():
                 return super()._evict_device_next_node(tracker, device_frees, host_frees, cache_actions)
             if tracker[self.component_type] >= self._evict_device_request_cnt:
                 return None
-            node = self.marconi.choose(_KV)
+            try:
+                node = self.marconi.choose(_KV)
+                if node is not None:
+                    self.marconi.count("leaf")
+            except Exception as exc:
+                return self._marconi_upstream_step("victim choice", exc, tracker, device_frees, host_frees,
+                                                   cache_actions)
             if node is None:
                 return None
-            self.marconi.report(KV_PRESSURE, "leaf", node)
+            self.marconi.notify(KV_PRESSURE, "leaf", node)
             return node.id  # SGLang deletes the leaf, its Mamba state included
 
     class MarconiMambaComponent(_MarconiHooks, MambaComponent):
@@ -583,17 +694,26 @@ def _component_classes():
 
         def refresh_lru(self, phase, node, root_node):
             super().refresh_lru(phase, node, root_node)
-            if phase is LRURefreshPhase.WALKDOWN:
-                self.marconi.stamp(node)  # _touch_node stamped it just before
-            elif phase is LRURefreshPhase.MATCH_END and node.component_data[self.component_type].value is not None:
-                # The state a match reuses, the only one refreshed (called before SGLang stamps the path).
-                self.marconi.state_used(node, get_and_increase_time_counter())
+            if self._marconi_settings.faulted is not None:
+                return
+            try:
+                if phase is LRURefreshPhase.WALKDOWN:
+                    self.marconi.stamp(node)  # _touch_node stamped it just before
+                elif phase is LRURefreshPhase.MATCH_END and node.component_data[self.component_type].value is not None:
+                    # The state a match reuses, the only one refreshed (called before SGLang stamps the path).
+                    self.marconi.state_used(node, get_and_increase_time_counter())
+            except Exception as exc:
+                self._marconi_fault("refresh_lru", exc)
 
         def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
             super().commit_insert_component_data(
                 node=node, is_new_leaf=is_new_leaf, params=params, result=result, cache_actions=cache_actions
             )
-            self.marconi.state_used(node, get_and_increase_time_counter())
+            if self._marconi_settings.faulted is None:
+                try:
+                    self.marconi.state_used(node, get_and_increase_time_counter())
+                except Exception as exc:
+                    self._marconi_fault("commit_insert_component_data", exc)
 
         def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
             if self._marconi_delegate:
@@ -602,21 +722,26 @@ def _component_classes():
             if tracker[ct] >= self._evict_device_request_cnt:
                 return None
             tree_core = self.tree_core
-            node = self.marconi.choose(_MAMBA)
-            leaf = node is not None and node in tree_core.evictable_device_leaves
-            kind = "leaf" if leaf else "single_child"
-            if node is None:
-                # No unlocked state on a node with <= 1 child: upstream's least recently used
-                # unlocked state (on a node with several children, or on a KV-locked leaf).
-                node = tree_core.lru_lists[ct].get_lru_no_lock()
+            try:
+                node = self.marconi.choose(_MAMBA)
+                leaf = node is not None and node in tree_core.evictable_device_leaves
+                kind = "leaf" if leaf else "single_child"
                 if node is None:
-                    return None
-                kind = "fallback"
-                leaf = node in tree_core.evictable_device_leaves
-            self.marconi.report(MAMBA_PRESSURE, kind, node)
+                    # No unlocked state on a node with <= 1 child: upstream's least recently used
+                    # unlocked state (on a node with several children, or on a KV-locked leaf).
+                    node = tree_core.lru_lists[ct].get_lru_no_lock()
+                    if node is None:
+                        return None
+                    kind = "fallback"
+                    leaf = node in tree_core.evictable_device_leaves
+                self.marconi.count(kind)
+            except Exception as exc:
+                return self._marconi_upstream_step("victim choice", exc, tracker, device_frees, host_frees,
+                                                   cache_actions)
+            self.marconi.notify(MAMBA_PRESSURE, kind, node)
             if leaf:
                 return node.id  # SGLang deletes the leaf whole
-            # One mutation: tombstone the state, keep the node and its KV.
+            # One mutation: tombstone the state, keep the node and its KV (upstream's code, unguarded).
             tree_core._evict_component_and_detach_lru(
                 node, self, target=EvictLayer.DEVICE, tracker=tracker,
                 device_frees=device_frees, host_frees=host_frees, cache_actions=cache_actions,

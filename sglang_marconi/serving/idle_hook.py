@@ -1,7 +1,8 @@
-"""The scheduler's idle path, for the Marconi runtime: a HookRegistry AFTER hook on
+"""The scheduler's idle path, for the Marconi runtime: a HookRegistry BEFORE hook on
 `Scheduler.on_idle` (called by every event loop, normal, overlap and PP, when there is no batch to
 run) hands the shadow tuner its partial batch and publishes the gauges, so an idle server neither
-holds requests back from the tuner nor shows stale figures. It changes nothing in the tree."""
+holds requests back from the tuner nor shows stale figures. BEFORE, not AFTER: `on_idle` ends in
+`maybe_sleep_on_idle`, which may sleep until the next request. It changes nothing in the tree."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ ON_IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 _registered = False
 
 
-def after_on_idle(result, scheduler, *args, **kwargs):
+def before_on_idle(scheduler, *args, **kwargs):
     runtime = getattr(getattr(scheduler, "tree_cache", None), "marconi_runtime", None)
     if runtime is not None:
         runtime.on_idle()  # guarded inside: a fault there costs a warning, never the scheduler
-    return result
+    return None  # the arguments unchanged
 
 
 def register_idle_hook() -> None:
@@ -22,5 +23,5 @@ def register_idle_hook() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(ON_IDLE_TARGET, after_on_idle, HookType.AFTER)
+    HookRegistry.register(ON_IDLE_TARGET, before_on_idle, HookType.BEFORE)
     _registered = True

@@ -54,8 +54,17 @@ def _cpu_device_module(torch_module):
 
 _CONV = dict(causal_conv1d_fn="conv1d.causal_conv1d_fn", causal_conv1d_update="conv1d.causal_conv1d_update")
 
+
+def _guard_pynccl(module):
+    import cpu_distributed
+
+    cpu_distributed.guard_pynccl(module)
+
+
 PATCHES = {
     "torch": _cpu_device_module,
+    # Tensor parallelism: PyNccl off without a GPU (collectives take SGLang's CPU/gloo path).
+    "sglang.srt.distributed.device_communicators.pynccl": _guard_pynccl,
     # Mamba2 (Nemotron-H): conv, chunked scan, decode step.
     "sglang.kernels.ops.mamba.causal_conv1d_triton": replace(**_CONV),
     "sglang.srt.layers.attention.mamba.mamba": define(

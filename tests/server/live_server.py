@@ -41,11 +41,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_engine_env(extra: dict | None = None) -> dict:
+_PARALLEL_FLAGS = {"--tp-size": "tp", "--tensor-parallel-size": "tp", "--dp-size": "dp",
+                   "--data-parallel-size": "dp", "--pp-size": "pp", "--pipeline-parallel-size": "pp"}
+
+
+def parallel_ranks(args) -> int:
+    """Scheduler processes SGLang starts for these server arguments: tp x dp x pp (the last
+    occurrence of a flag wins, as with argparse)."""
+    sizes = {"tp": 1, "dp": 1, "pp": 1}
+    args = [str(a) for a in args]
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in _PARALLEL_FLAGS and (eq or i + 1 < len(args)):
+            sizes[_PARALLEL_FLAGS[flag]] = int(value if eq else args[i + 1])
+    return sizes["tp"] * sizes["dp"] * sizes["pp"]
+
+
+def threads_bind(ranks: int, cpus=None) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` ranks on these CPUs (default: this process's):
+    contiguous equal shares (`0|1` for 2 ranks on 2 cores); with fewer CPUs than ranks, one CPU
+    each, round-robin. SGLang's CPU engine asks for it whenever ranks outnumber NUMA nodes
+    (`numa_utils.init_threads_binding`); it binds threads by it only on AMX / arm64 hosts."""
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+    share = len(cpus) // ranks
+    return "|".join(_cpu_list(cpus[r * share:(r + 1) * share]) for r in range(ranks))
+
+
+def _cpu_list(cpus) -> str:
+    """Runs of consecutive CPUs as ranges: [0, 1, 2, 5] -> '0-2,5'."""
+    runs = []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def cpu_engine_env(extra: dict | None = None, ranks: int = 1) -> dict:
+    """The server's environment: SGLang's CPU engine with the stand-ins on PYTHONPATH. With more
+    than one rank (`parallel_ranks`) each gets its share of the CPUs (OMP threads, and
+    SGLANG_CPU_OMP_THREADS_BIND), unless the environment already sets them."""
     env = dict(os.environ)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_ENGINE), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    cpus = len(os.sched_getaffinity(0)) or 1
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(1, ranks))))
+    if ranks > 1:
+        env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", threads_bind(ranks))
     env.update(extra or {})
     return env
 
@@ -112,7 +157,8 @@ def start_server(model_dir: str | Path, *, launcher: str = "marconi", extra_args
     log_path = Path(log_path)
     log = log_path.open("w")
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                               env=cpu_engine_env(env) if device == "cpu" else {**os.environ, **(env or {})},
+                               env=cpu_engine_env(env, parallel_ranks(extra_args)) if device == "cpu"
+                               else {**os.environ, **(env or {})},
                                start_new_session=True, cwd=str(log_path.parent))
     log.close()
     server = LiveServer(f"http://127.0.0.1:{port}", process, log_path, argv)
@@ -147,7 +193,7 @@ def main(argv=None) -> int:
     argv = [sys.executable, "-m", LAUNCHERS[args.launcher], "--model-path", str(model), "--host", "127.0.0.1",
             "--port", str(args.port), *CPU_FLAGS, *extra]
     print(f"serving {model} on http://127.0.0.1:{args.port}: {' '.join(argv[1:])}", flush=True)
-    return run_until_signalled(argv, cpu_engine_env())
+    return run_until_signalled(argv, cpu_engine_env(ranks=parallel_ranks(extra)))
 
 
 def run_until_signalled(argv, env) -> int:

@@ -400,3 +400,89 @@ def test_gdn_varlen_batch_equals_each_sequence_alone():
         start += length
     _assert_same((batched, alone))
     assert torch.equal(batched[1], pool[1]) and not torch.equal(batched[2], pool[2])
+
+
+# ---------------------------------------------------------------- tensor parallelism (--tp-size 2)
+
+# One rank of a 2-rank gloo group, run as its own process (RANK, PORT in the environment) with
+# the stand-ins installed: SGLang's GroupCoordinator as `init_model_parallel_group` builds it on
+# CPU (PyNccl asked for), its collectives against torch.distributed's on the same gloo world,
+# and PyNccl with the real NCCL library (the guard undone) for contrast.
+_TP_RANK = """
+import json, os, torch
+import torch.distributed as dist
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=rank, world_size=2)
+from sglang.srt.distributed.parallel_state import GroupCoordinator
+from sglang.srt.distributed.device_communicators import pynccl
+tp = GroupCoordinator(group_ranks=[[0, 1]], local_rank=rank, torch_distributed_backend="gloo", use_pynccl=True,
+                      use_mscclpp=False, use_custom_allreduce=False, use_torch_symm_mem_all_reduce=False,
+                      use_hpu_communicator=False, use_xpu_communicator=False, group_name="tp")
+out = {"device": str(tp.device), "pynccl_disabled": tp.pynccl_comm.disabled}
+g = torch.Generator().manual_seed(100 + rank)
+for dtype in (torch.float32, torch.bfloat16):
+    x = torch.randn(5, 6, generator=g).to(dtype)
+    ref = x.clone()
+    dist.all_reduce(ref)
+    got = tp.all_reduce(x.clone())
+    out[f"all_reduce/{dtype}"] = dict(equal=torch.equal(got, ref), moved=(got.double() - x.double()).abs().max().item())
+    for dim in (0, -1):
+        parts = [torch.empty_like(x) for _ in range(2)]
+        dist.all_gather(parts, x)
+        got = tp.all_gather(x, dim=dim)
+        out[f"all_gather/{dtype}/{dim}"] = dict(equal=torch.equal(got, torch.cat(parts, dim=dim)), shape=list(got.shape))
+pynccl.NCCLLibrary = pynccl.NCCLLibrary.original  # the guard undone: what the server met
+try:
+    comm = pynccl.PyNcclCommunicator(group=tp.cpu_group, device=tp.device)
+    out["unguarded"] = "disabled" if comm.disabled else "enabled"  # disabled: no NCCL library here at all
+except Exception as error:
+    out["unguarded"] = f"{type(error).__name__}: {error}"
+print(json.dumps(out))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _tp_ranks(code, extra_env=None, timeout=300):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_USE_CPU_ENGINE", "TRITON_INTERPRET")}
+    env["PYTHONPATH"] = os.pathsep.join([str(CPU_ENGINE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1", PORT=str(port), **(extra_env or {}))
+    ranks = [subprocess.Popen([sys.executable, "-W", "ignore", "-c", code], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    results = []
+    try:
+        for p in ranks:
+            stdout, stderr = p.communicate(timeout=timeout)
+            assert p.returncode == 0, stderr[-3000:]
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def test_tensor_parallel_collectives_on_cpu_match_torch_distributed():
+    """The PyNccl guard (cpu_distributed.guard_pynccl): SGLang's TP group comes up on CPU with
+    PyNccl disabled, and its all-reduce / all-gather (SGLang's own gloo path: no shm kernel
+    without AMX) equal torch.distributed's on the same tensors. Without the guard, PyNccl finds
+    the CUDA build's NCCL and fails as the server did."""
+    for out in _tp_ranks(_TP_RANK):
+        assert out.pop("device") == "cpu" and out.pop("pynccl_disabled") is True
+        unguarded = out.pop("unguarded")
+        checked = out
+        assert len(checked) == 6, checked
+        assert all(r["equal"] for r in checked.values()), checked
+        for key, r in checked.items():
+            if key.startswith("all_reduce"):
+                assert r["moved"] > 0.1, (key, r)  # the other rank's tensor was added
+            else:
+                assert r["shape"] == ([10, 6] if key.endswith("/0") else [5, 12]), (key, r)
+        # The guard is what keeps PyNccl off, where torch ships NCCL (SGLang's pinned CUDA build).
+        assert unguarded in ("ValueError: Expected a cuda device, but got: cpu", "disabled"), unguarded

@@ -273,11 +273,9 @@ class MarconiRuntime:
         exporter = self.exporter
         if exporter is None:
             return
-        maybe = getattr(exporter, "maybe_publish", None)
-        if maybe is not None:  # at most once per metrics interval, from the stats rank
-            maybe(lambda: self.metrics(self.cache))
-        elif not idle:
-            exporter.publish(self.metrics(self.cache))
+        # At most once per metrics interval (the stats rank only builds an exporter); the idle
+        # path publishes what a throttled call left unpublished.
+        exporter.maybe_publish(lambda: self.metrics(self.cache), idle=idle)
 
     def metrics(self, cache) -> dict:
         """The figures `/server_info` and the Prometheus gauges show."""

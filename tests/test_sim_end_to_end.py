@@ -135,3 +135,41 @@ def test_units():
     for bad in ("", "GB", "-1GB", "1 parsec"):
         with pytest.raises(MarconiError):
             parse_capacities(bad)
+
+
+def test_a_log_gets_one_line_per_finished_run(tmp_path, capsys):
+    # stderr is not a terminal here (as in `bash scripts/demo.sh > log.txt 2>&1`): no progress
+    # frames, one line per run (marconi-best's candidates are runs too)
+    trace = save_trace(hand_workload(), tmp_path / "hand.jsonl")
+    assert main(["--trace", str(trace), "--capacity", "2GB,5GB", "--policies", "none,sglang+,marconi-best",
+                 "--alpha-grid", "0,20", "--seglen-weights", "none"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 + 2 + 2 * 3, lines  # none once; sglang+ per capacity; 3 candidates per capacity
+    assert lines[0].startswith("none @ 2 GB: 4 requests, token hit 0.00%")
+    assert sum(line.startswith("sglang+ @ ") for line in lines) == 2
+
+
+def test_a_terminal_gets_a_progress_bar():
+    import io
+
+    from sglang_marconi.sim.replay import Progress, tqdm
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    if tqdm is None:
+        pytest.skip("tqdm not installed")
+    profile = load_profile("paper-7b")
+    stream = Terminal()
+    progress = Progress(4, "sglang+ @ 1000 GB", True, stream)
+    for _ in range(4):
+        progress.update()
+    run = replay(hand_workload(), build_policy("sglang+", profile, 10**12), profile, 10**12, progress=False)
+    progress.finish(run)
+    assert "\r" in stream.getvalue() and "requests, token hit" not in stream.getvalue()
+    silent = io.StringIO()
+    Progress(4, "x", False, silent).finish(run)
+    assert silent.getvalue() == ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -83,7 +84,7 @@ def replay(workload: Workload, policy: Policy, profile, capacity_bytes: int, *, 
     hits = np.zeros(total, dtype=np.int64)
     overlaps = np.zeros(total, dtype=np.int64)
     states = np.zeros(total, dtype=np.int64)
-    bar = progress_bar(total, f"{policy.name} @ {capacity_bytes / 1e9:g} GB", progress)
+    bar = Progress(total, f"{policy.name} @ {capacity_bytes / 1e9:g} GB", progress)
     started = time.perf_counter()
     for i, request in enumerate(workload):
         if i >= total:
@@ -91,20 +92,45 @@ def replay(workload: Workload, policy: Policy, profile, capacity_bytes: int, *, 
         outcome = policy.serve(request)
         inputs[i], hits[i] = outcome.input_tokens, outcome.hit_tokens
         overlaps[i], states[i] = outcome.overlap_tokens, outcome.states_admitted
-        if bar is not None:
-            bar.update()
+        bar.update()
     if hasattr(policy, "close"):
         policy.close()  # waits for a tuning replay still in flight
     wall = time.perf_counter() - started
-    if bar is not None:
-        bar.close()
-    return summarize(policy.name, workload.name, profile, capacity_bytes, inputs, hits, policy.stats(), wall, gpu,
-                     {"overlap_tokens": overlaps.tolist(), "states_admitted": states.tolist()})
+    run = summarize(policy.name, workload.name, profile, capacity_bytes, inputs, hits, policy.stats(), wall, gpu,
+                    {"overlap_tokens": overlaps.tolist(), "states_admitted": states.tolist()})
+    bar.finish(run)
+    return run
 
 
-def progress_bar(total: int, desc: str, enabled: bool):
-    """A tqdm bar over `total` requests, or None (disabled, or tqdm missing)."""
-    return tqdm(total=total, desc=desc, unit="req", leave=False, disable=not enabled) if tqdm else None
+class Progress:
+    """Progress of one run over `total` requests, on stderr: a tqdm bar where stderr is a terminal
+    (and tqdm is installed), else one line when the run finishes (a log gets no carriage-return
+    frames). Nothing at all when disabled."""
+
+    def __init__(self, total: int, desc: str, enabled: bool, stream=None):
+        self.desc, self.stream = desc, stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self._bar = None
+        if enabled and tqdm is not None and _isatty(self.stream):
+            self._bar = tqdm(total=total, desc=desc, unit="req", leave=False, file=self.stream)
+
+    def update(self) -> None:
+        if self._bar is not None:
+            self._bar.update()
+
+    def finish(self, run: RunResult) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:
+            print(f"{self.desc}: {run.requests} requests, token hit {100 * run.token_hit_rate:.2f}%, "
+                  f"{run.wall_seconds:.2f} s", file=self.stream, flush=True)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def summarize(policy: str, workload: str, profile, capacity_bytes: int, inputs: np.ndarray, hits: np.ndarray,

@@ -15,7 +15,7 @@ import numpy as np
 from sglang_marconi.sim.kv_blocks.base import BlockCache
 from sglang_marconi.sim.kv_blocks.view import BlockTrace
 from sglang_marconi.sim.policy_api import PolicyStats
-from sglang_marconi.sim.replay import RunResult, progress_bar, summarize
+from sglang_marconi.sim.replay import Progress, RunResult, summarize
 
 
 def replay_blocks(trace: BlockTrace, cache: BlockCache, profile, *, name: str | None = None,
@@ -31,7 +31,7 @@ def replay_blocks(trace: BlockTrace, cache: BlockCache, profile, *, name: str | 
     hit_tokens = [0] * n
     prompt_tokens = [0] * n
     resident, access, seen = cache.resident, cache.access, set()
-    bar = progress_bar(n, f"{name} @ {cache.capacity} blocks", progress)
+    bar = Progress(n, f"{name} @ {cache.capacity} blocks", progress)
     started = time.perf_counter()
     for i, (ids, length) in enumerate(trace.requests):
         k = 0
@@ -45,11 +45,8 @@ def replay_blocks(trace: BlockTrace, cache: BlockCache, profile, *, name: str | 
             access(h)
         seen.update(ids)
         hit_blocks[i], hit_tokens[i], prompt_tokens[i] = k, min(k * block, length), length
-        if bar is not None:
-            bar.update()
+        bar.update()
     wall = time.perf_counter() - started
-    if bar is not None:
-        bar.close()
     final_blocks = len(cache)
     total_hit, total_prompt = sum(hit_tokens), sum(prompt_tokens)
     hits, inputs = np.array(hit_tokens, dtype=np.int64), np.array(prompt_tokens, dtype=np.int64)
@@ -70,4 +67,5 @@ def replay_blocks(trace: BlockTrace, cache: BlockCache, profile, *, name: str | 
                     })
     if run.token_hit_rate != overall or run.hit_tokens != total_hit or run.input_tokens != total_prompt:
         raise RuntimeError(f"{name}: overall hit rate {overall} != {run.token_hit_rate}")
+    bar.finish(run)
     return run

@@ -3,6 +3,14 @@
 Every SGLang flag works as before. Marconi's own flags (`--marconi-*`, see `--help`) are taken
 out, checked, and handed to the scheduler processes; for hybrid models the `marconi` radix-cache
 backend is selected unless `--radix-cache-backend` says otherwise.
+
+SGLang's other flags are forwarded untouched. Those with which Marconi cannot act
+(`--enable-hierarchical-cache`, `--enable-session-radix-cache`, `--enable-lmcache`,
+`--enable-flexkv`, a `--radix-eviction-policy` other than `lru`) reach SGLang as given and the
+backend's factory builds upstream's cache for them, with one warning (`serving/plugin.py`), the
+same as through `python -m sglang.launch_server --radix-cache-backend marconi`. SGLang refuses any
+`--radix-cache-backend` with a few flags (`NO_BACKEND_FLAGS`): with one of them the launcher does
+not select `marconi` (one warning line), and refuses in one line if `marconi` was asked for.
 """
 
 from __future__ import annotations
@@ -38,13 +46,37 @@ def gpu_problem(device: str | None) -> str | None:
     return None
 
 
+# SGLang flags with which SGLang itself refuses any --radix-cache-backend (sglang/srt/arg_groups/:
+# hicache_hook.py handle_hicache, mamba_hook.py handle_int8_mamba_checkpoint, kv_shard_hook.py
+# handle_kv_cache_sharding).
+NO_BACKEND_FLAGS = (
+    "--enable-unified-cache-external-linker",
+    "--enable-int8-mamba-checkpoint",
+    "--enable-kv-cache-sharding",
+)
+
+
+def _has_flag(argv: list[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+
+
 def prepare(argv: list[str]) -> list[str]:
     """Strip and validate Marconi's flags, export them, and return SGLang's argv."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_marconi_args(parser)
     ns, rest = parser.parse_known_args(argv)
     os.environ[ENV_VAR] = config_from_args(ns).to_env()
-    if _flag_value(rest, "--radix-cache-backend") is None:
+    backend = _flag_value(rest, "--radix-cache-backend")
+    blocker = next((flag for flag in NO_BACKEND_FLAGS if _has_flag(rest, flag)), None)
+    if blocker is not None:
+        if backend == "marconi":
+            raise MarconiError(f"{blocker}: SGLang accepts no --radix-cache-backend with it; "
+                               "drop --radix-cache-backend marconi (Marconi cannot run with this flag)")
+        if backend is None:
+            print(f"warning: {blocker}: SGLang accepts no --radix-cache-backend with it; serving with "
+                  "upstream's cache, without Marconi", file=sys.stderr)
+        return rest
+    if backend is None:
         rest = [*rest, "--radix-cache-backend", "marconi"]
     return rest
 

@@ -57,3 +57,45 @@ def test_launcher_reports_missing_gpu_in_one_line(capsys):
 def test_launcher_rejects_bad_marconi_flag_before_anything_else(capsys):
     assert main(["--model-path", "m", "--marconi-objective", "speed"]) == 2
     assert "--marconi-objective" in capsys.readouterr().err
+
+
+UPSTREAM_ONLY = ["--enable-hierarchical-cache", "--enable-session-radix-cache", "--enable-lmcache", "--enable-flexkv",
+                 "--radix-eviction-policy", "lfu"]
+
+
+def test_prepare_forwards_the_flags_marconi_steps_aside_for(monkeypatch):
+    # They reach SGLang as given; the backend's factory builds upstream's cache for them (one
+    # warning), exactly as through `python -m sglang.launch_server --radix-cache-backend marconi`.
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    argv = prepare(["--model-path", "m", *UPSTREAM_ONLY, "--marconi-alpha", "1"])
+    assert argv == ["--model-path", "m", *UPSTREAM_ONLY, "--radix-cache-backend", "marconi"]
+    assert prepare(["--model-path", "m", "--radix-eviction-policy=fifo"])[:3] == [
+        "--model-path", "m", "--radix-eviction-policy=fifo"]
+
+
+def test_forwarded_flags_reach_sglangs_server_args(monkeypatch):
+    pytest.importorskip("sglang")
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    args = prepare_server_args(prepare(["--model-path", "m", *UPSTREAM_ONLY, "--marconi-admission", "off"]))
+    assert (args.enable_hierarchical_cache, args.enable_session_radix_cache, args.enable_lmcache, args.enable_flexkv,
+            args.radix_eviction_policy, args.radix_cache_backend) == (True, True, True, True, "lfu", "marconi")
+    assert MarconiServingConfig.from_env().admission is False
+
+
+@pytest.mark.parametrize("flag", ["--enable-unified-cache-external-linker", "--enable-int8-mamba-checkpoint",
+                                  "--enable-kv-cache-sharding"])
+def test_flags_sglang_allows_no_backend_with_are_not_given_marconi(monkeypatch, capsys, flag):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert prepare(["--model-path", "m", flag]) == ["--model-path", "m", flag]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err  # one warning line naming the flag
+    assert prepare(["--model-path", "m", flag, "--radix-cache-backend", "other"])[-1] == "other"
+
+
+@pytest.mark.parametrize("backend", [["--radix-cache-backend", "marconi"], ["--radix-cache-backend=marconi"]])
+def test_marconi_asked_for_with_such_a_flag_is_refused_in_one_line(capsys, backend):
+    assert main(["--model-path", "m", "--enable-int8-mamba-checkpoint", *backend]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--enable-int8-mamba-checkpoint" in err and "Traceback" not in err

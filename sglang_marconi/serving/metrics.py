@@ -1,11 +1,32 @@
 """Marconi's figures where operators look: Prometheus gauges beside SGLang's own (with
-`--enable-metrics`) and a `marconi` entry in each scheduler's `/server_info` internal state."""
+`--enable-metrics`) and a `marconi` entry in each scheduler's `/server_info` internal state.
+
+The gauges follow SGLang's scheduler gauges (`observability/metrics_collector.py`,
+`SchedulerMetricsCollector.init_new`):
+- the same labels (`scheduler_metric_labels`): model_name, engine_type, tp_rank, pp_rank,
+  moe_ep_rank, priority (empty) with priority scheduling, dp_rank with a DP controller, and
+  `--extra-metric-labels`; so DP replicas and PP stages each have their own series;
+- published only where SGLang publishes its scheduler gauges (`publishes_scheduler_metrics`): the
+  stats rank (attention-TP rank 0 and attention-CP rank 0), or every rank with
+  `--enable-metrics-for-all-schedulers`;
+- at most once per `PUBLISH_INTERVAL_S` (`PrometheusGauges.maybe_publish`), not per request.
+  SGLang's own cadence is counted in decode iterations (`--decode-log-interval`, 40) which the
+  cache never sees, and SGLang has no wall-clock metrics interval, so ours is 1 s of wall clock
+  (publishing only observes: the clock decides nothing in the tree); the idle path publishes what
+  a throttled call left unpublished.
+
+A cache on which the `marconi` backend stepped aside for upstream's (`serving/plugin.py`) shows
+`{"marconi_eviction_policy": "upstream", "marconi_fallback": why}` in `/server_info` and no gauges.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import Callable, Optional
 
 log = logging.getLogger("sglang_marconi")
+PUBLISH_INTERVAL_S = 1.0
 
 GAUGES = {
     "marconi_token_hit_rate": "Share of input tokens whose prefill the Marconi cache skipped.",
@@ -38,22 +59,93 @@ INTERNAL_STATE_TARGET = (
 )
 
 
-class PrometheusGauges:
-    def __init__(self, labels: dict[str, str]):
-        from prometheus_client import Gauge  # after SGLang has set PROMETHEUS_MULTIPROC_DIR
+def scheduler_metric_labels(served_model_name: Optional[str] = None) -> dict:
+    """The labels SGLang puts on its scheduler gauges, for this process
+    (`SchedulerMetricsCollector.init_new`, observability/metrics_collector.py:1377-1394)."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.runtime_context import get_disagg, get_observability, get_parallel, get_schedule, get_serving
 
-        self.labels = labels
-        self.gauges = {
-            key: Gauge(name=f"sglang:{key}", documentation=doc, labelnames=list(labels), multiprocess_mode="mostrecent")
-            for key, doc in GAUGES.items()
-        }
-        self.by_choice = {
-            key: Gauge(name=f"sglang:{key}", documentation=doc, labelnames=[*labels, "choice"],
-                       multiprocess_mode="mostrecent")
-            for key, doc in LABELED_GAUGES.items()
-        }
+    parallel = get_parallel()
+    engine_type = ("dynamic" if get_disagg().enable_pd_role_switch
+                   else DisaggregationMode.to_engine_type(get_disagg().disaggregation_mode))
+    labels = {
+        "model_name": get_serving().served_model_name or served_model_name,
+        "engine_type": engine_type,
+        "tp_rank": parallel.tp_rank,
+        "pp_rank": parallel.pp_rank,
+        "moe_ep_rank": parallel.moe_ep_rank,
+    }
+    if get_schedule().enable_priority_scheduling:
+        labels["priority"] = ""
+    if parallel.dp_rank is not None:
+        labels["dp_rank"] = parallel.dp_rank
+    if get_observability().extra_metric_labels:
+        labels.update(get_observability().extra_metric_labels)
+    return labels
+
+
+def publishes_scheduler_metrics() -> bool:
+    """Whether SGLang publishes its scheduler gauges from this process: `--enable-metrics` on the
+    stats rank (attention-TP and attention-CP rank 0), or on every rank with
+    `--enable-metrics-for-all-schedulers` (metrics_collector.py:1359-1367)."""
+    from sglang.srt.runtime_context import get_observability, get_parallel
+
+    observability, parallel = get_observability(), get_parallel()
+    if not observability.enable_metrics:
+        return False
+    stats_rank = parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0
+    return stats_rank or bool(observability.enable_metrics_for_all_schedulers)
+
+
+_GAUGES: dict = {}  # name -> (labelnames, Gauge): prometheus_client's registry is per process
+
+
+def _gauge(key: str, doc: str, labelnames: tuple):
+    from prometheus_client import Gauge  # after SGLang has set PROMETHEUS_MULTIPROC_DIR
+
+    name = f"sglang:{key}"
+    known = _GAUGES.get(name)
+    if known is not None:
+        if known[0] != labelnames:
+            raise ValueError(f"{name} already exists with labels {known[0]}, not {labelnames}")
+        return known[1]
+    gauge = Gauge(name=name, documentation=doc, labelnames=list(labelnames), multiprocess_mode="mostrecent")
+    _GAUGES[name] = (labelnames, gauge)
+    return gauge
+
+
+class PrometheusGauges:
+    """Marconi's gauges under `labels` (SGLang's scheduler labels). `maybe_publish` is the
+    throttled entry point; `publish` sets every gauge now."""
+
+    def __init__(self, labels: dict, interval_s: float = PUBLISH_INTERVAL_S):
+        self.labels = {k: str(v) for k, v in labels.items()}
+        self.interval_s = interval_s
+        self.last_publish: Optional[float] = None  # time.monotonic() of the last publish
+        self.pending = False  # a throttled call left figures unpublished
+        self.publishes = 0
+        self.gauges = {key: _gauge(key, doc, tuple(labels)) for key, doc in GAUGES.items()}
+        self.by_choice = {key: _gauge(key, doc, (*labels, "choice")) for key, doc in LABELED_GAUGES.items()}
+
+    def maybe_publish(self, figures_fn: Callable[[], dict], now: Optional[float] = None, *,
+                      idle: bool = False) -> bool:
+        """Publish `figures_fn()` if `interval_s` has passed since the last publish (or nothing
+        was ever published); with `idle` (the scheduler's idle path), also whatever an earlier
+        throttled call left unpublished. Returns whether it published. `figures_fn` is only
+        called when publishing."""
+        now = time.monotonic() if now is None else now
+        last = self.last_publish
+        if last is not None and now - last < self.interval_s and not (idle and self.pending):
+            if not idle:
+                self.pending = True
+            return False
+        self.publish(figures_fn())
+        self.last_publish = now
+        self.pending = False
+        return True
 
     def publish(self, figures: dict) -> None:
+        self.publishes += 1
         for key, gauge in self.gauges.items():
             gauge.labels(**self.labels).set(float(figures[key]))
         scores, current = figures["marconi_shadow_scores"], figures["marconi_choice"]
@@ -69,6 +161,9 @@ def add_marconi_state(result, controller, *args, **kwargs):
     runtime = getattr(cache, "marconi_runtime", None)
     if runtime is not None:
         result.internal_state["marconi"] = runtime.metrics(cache)
+    elif getattr(cache, "marconi_fallback", None):  # the backend stepped aside (plugin.py)
+        result.internal_state["marconi"] = {"marconi_eviction_policy": "upstream",
+                                            "marconi_fallback": cache.marconi_fallback}
     return result
 
 

@@ -4,6 +4,25 @@ backend in every process that loads plugins, the spawned schedulers included.
 The factory builds SGLang's own `UnifiedRadixCache` with Marconi's components. Models without
 SSM layers get upstream's default cache, and a hybrid model whose config we cannot interpret
 falls back to upstream's LRU with one warning: never a crash.
+
+Configurations in which Marconi cannot act fall back the same way: the factory builds exactly
+what SGLang's default selection chain builds (`default_radix_cache_factory`), with no Marconi
+runtime and no tuner process, logs one warning naming the flag, and `/server_info` shows
+`marconi: {"marconi_eviction_policy": "upstream", "marconi_fallback": why}` (no gauges):
+- `--enable-hierarchical-cache`: HiCache moves nodes between device and host tiers with its own
+  eviction and write-back protocol (`create_unified_radix_cache` -> `init_hicache`), which
+  Marconi's walks do not model;
+- `--enable-session-radix-cache`: session-held nodes are fenced off in upstream's walks
+  (`UnifiedTreeCore._session_lru_predicate`), not in Marconi's candidates;
+- `--enable-lmcache`, `--enable-flexkv`: SGLang builds another cache class for these
+  (`LMCacheUnifiedRadixCache`, `FlexKVRadixCache`, in `default_radix_cache_factory`); a
+  registered backend would silently drop them;
+- `--enable-unified-cache-external-linker`: offload on eviction (SGLang already refuses it with
+  any `--radix-cache-backend`; kept here in case that check moves);
+- `--radix-eviction-policy` other than `lru`: an explicit choice of upstream's victim order,
+  which Marconi's own eviction would override.
+Each is read where SGLang's factory reads it (`ctx.enable_hierarchical_cache`,
+`ctx.params.enable_session_radix_cache`, `ctx.params.eviction_policy`, `get_memory()`).
 """
 
 from __future__ import annotations
@@ -33,15 +52,67 @@ def register() -> None:
 
 def served_model_profile(hf_config):
     """The cache model of the served model, or None (with a warning) if we cannot build one."""
+    profile, why = _profile_or_reason(hf_config)
+    if profile is None:
+        log.warning("Marconi: %s; using upstream LRU eviction", why)
+    return profile
+
+
+def _profile_or_reason(hf_config):
     from sglang_marconi.policy.model_profile import profile_from_config
 
     config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
     try:
-        return profile_from_config(config, name=config.get("_name_or_path") or None)
+        return profile_from_config(config, name=config.get("_name_or_path") or None), None
     except (MarconiError, KeyError, TypeError, ValueError) as exc:
         arch = (config.get("architectures") or [config.get("model_type", "?")])[0]
-        log.warning("Marconi: cannot model %s (%s); using upstream LRU eviction", arch, exc)
-        return None
+        return None, f"cannot model {arch} ({exc})"
+
+
+# (flag, where SGLang's factory reads it): Marconi steps aside for upstream's cache when set.
+_MEMORY_FLAGS = (
+    ("--enable-lmcache", "enable_lmcache"),
+    ("--enable-flexkv", "enable_flexkv"),
+    ("--enable-unified-cache-external-linker", "enable_unified_cache_external_linker"),
+)
+
+
+def _memory_flag(ctx, name: str):
+    try:
+        from sglang.srt.runtime_context import get_memory
+
+        return getattr(get_memory(), name)
+    except (AttributeError, RuntimeError, ValueError):  # not published (a bare test context)
+        return getattr(ctx.server_args, name, None)
+
+
+def upstream_only_flags(ctx) -> list[str]:
+    """The flags of this server with which Marconi cannot act (see the module docstring)."""
+    flags = []
+    if ctx.enable_hierarchical_cache:
+        flags.append("--enable-hierarchical-cache")
+    if getattr(ctx.params, "enable_session_radix_cache", False):
+        flags.append("--enable-session-radix-cache")
+    flags += [flag for flag, name in _MEMORY_FLAGS if _memory_flag(ctx, name)]
+    policy = (getattr(ctx.params, "eviction_policy", None) or "lru").lower()
+    if policy != "lru":
+        flags.append(f"--radix-eviction-policy {policy}")
+    return flags
+
+
+def upstream_cache(ctx, why: str):
+    """SGLang's default cache for `ctx`, marked with why Marconi stepped aside (one warning)."""
+    from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+    if ctx.tp_rank == 0 and getattr(ctx.params, "pp_rank", 0) == 0:  # once per server, not per rank
+        log.warning("Marconi: %s; serving with SGLang's own cache and eviction (marconi_eviction_policy: upstream)",
+                    why)
+    cache = default_radix_cache_factory(ctx)
+    try:
+        cache.marconi_fallback = why
+    except AttributeError:  # a cache class with __slots__: /server_info just shows no marconi entry
+        pass
+    return cache
 
 
 def marconi_radix_cache_factory(ctx):
@@ -51,9 +122,12 @@ def marconi_radix_cache_factory(ctx):
 
     if not ctx.is_hybrid_ssm or ctx.disable_radix_cache:
         return default_radix_cache_factory(ctx)
-    profile = served_model_profile(ctx.model_config.hf_config)
+    blockers = upstream_only_flags(ctx)
+    if blockers:
+        return upstream_cache(ctx, f"Marconi cannot act with {', '.join(blockers)}")
+    profile, why = _profile_or_reason(ctx.model_config.hf_config)
     if profile is None:
-        return default_radix_cache_factory(ctx)
+        return upstream_cache(ctx, why)
     config = MarconiServingConfig.from_env()
     from sglang_marconi.serving.admission import admission_mixin
     from sglang_marconi.serving.cache import marconi_cache_class
@@ -69,11 +143,13 @@ def marconi_radix_cache_factory(ctx):
     from sglang_marconi.serving.lockstep import RankGroup
 
     runtime = attach_runtime(cache, settings, config, group=RankGroup.from_cache_params(ctx.params))
-    if getattr(ctx.server_args, "enable_metrics", False):
-        from sglang_marconi.serving.metrics import PrometheusGauges
+    from sglang_marconi.serving.metrics import publishes_scheduler_metrics
+
+    if publishes_scheduler_metrics():  # where SGLang publishes its own scheduler gauges
+        from sglang_marconi.serving.metrics import PrometheusGauges, scheduler_metric_labels
 
         name = getattr(ctx.server_args, "served_model_name", None) or ctx.server_args.model_path
-        runtime.exporter = PrometheusGauges({"model_name": str(name)})
+        runtime.exporter = PrometheusGauges(scheduler_metric_labels(served_model_name=str(name)))
     log.info("Marconi cache for %s: alpha=%s, admission=%s", profile.name,
              "auto" if config.alpha is None else config.alpha, "on" if config.admission else "off")
     return cache

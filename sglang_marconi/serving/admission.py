@@ -1,13 +1,28 @@
 """Marconi's admission inside SGLang's MAMBA component (paper §4.1).
 
 A request may leave at most two SSM states in the tree:
-- the state after its last decoded token (the finished request's own slot, donated as upstream does);
+- the state after its last decoded token (the finished request's own slot, donated as upstream does;
+  in extra_buffer mode the request's last tracked state, as upstream picks it);
 - the state at its branch point: the position where speculative insertion of its input leaves
-  the cached tree (SGLang computes it at match time as `req.mamba_branching_seqlen`, on the
-  Mamba checkpoint grid) — admitted only from the checkpoint whose length is exactly that.
+  the cached tree. Marconi's match reports it exactly (`req.mamba_branching_seqlen` = the full-KV
+  match, on the page grid), where upstream floors it to the Mamba checkpoint grid (64 tokens).
 Every other checkpoint (per prefill chunk, after the first token, every N decoded tokens in
-extra-buffer mode) keeps its KV with the request and admits no state. When no Mamba slot can be
+extra_buffer mode) keeps its KV with the request and admits no state. When no Mamba slot can be
 had for the branch state, the state is skipped and counted, never a failure.
+
+Where the branch state comes from depends on SGLang's Mamba radix-cache strategy:
+- no_buffer: a state exists only at the end of an extend, so two-pass prefill
+  (`two_pass_prefill.py`) ends a chunk at the branch and the state there is admitted: exact,
+  whatever the grid. Only where the scheduler cannot end a chunk there (a page / truncation
+  alignment) is the chunk ended at the last aligned position before it and that state admitted.
+- extra_buffer: the forward pass snapshots one state per extend, `prefix + k * chunk` tokens in
+  (k >= 1; SGLang's `mamba_cache_chunk_size`, 64), into a ping-pong track slot. The extend that
+  contains the branch is steered (`two_pass_prefill`'s tracking hook) to snapshot the last such
+  position at or before the branch, which is the branch itself when it sits on that grid. A
+  checkpoint admits its tracked state when it is at or before the branch and no later extend can
+  snapshot one closer (they start at the checkpoint's end and snapshot a chunk or more in): the
+  latest tracked state before the branch, never fewer than upstream keeps there.
+The tokens between the branch and the admitted state are counted (`grid_lost_tokens`).
 
 The class is built lazily (`admission_mixin()`) so importing this module needs no SGLang.
 """
@@ -23,6 +38,7 @@ class AdmissionCounters:
     final_states_admitted: int = 0
     checkpoints_declined: int = 0  # per-chunk / decode checkpoints that Marconi keeps out
     skipped_no_slot: int = 0  # branch states dropped because no Mamba slot could be had
+    grid_lost_tokens: int = 0  # sum over admitted branch states of branch position - admitted position
 
 
 def branch_position(req) -> int | None:
@@ -39,11 +55,38 @@ def chunk_end_for_branch(req, proposed_end: int) -> int:
     return proposed_end
 
 
+def tracked_position_for_branch(req, step: int) -> int | None:
+    """extra_buffer mode: the position the extend [req.prefix_len, req.extend_end) should snapshot
+    for the branch: the last `prefix + k * step` (k >= 1) at or before it, or None when the branch
+    is not inside this extend or no such position is (the snapshot then stays upstream's)."""
+    branch = branch_position(req)
+    start, end = req.prefix_len, req.extend_end
+    if branch is None or not start < branch < end:
+        return None
+    k = (branch - start) // step
+    return start + k * step if k >= 1 else None
+
+
 def admission_mixin():
     """A mixin for (a subclass of) SGLang's MambaComponent implementing Marconi's admission."""
 
     class MarconiAdmission:
         marconi_admission_counters: AdmissionCounters
+        marconi_exact_branch = True  # match reports the exact branch (the tracking hook looks for it)
+
+        def __init__(self, cache, params):
+            super().__init__(cache, params)
+            if not params.enable_mamba_extra_buffer:
+                # Two-pass prefill ends a chunk at the branch: the branch state sits exactly there,
+                # on the page grid only. (The runtime's shadow caches read this grid too.)
+                self.mamba_checkpoint_grid = params.page_size
+
+        def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
+            result = super().finalize_match_result_in_tree_core(result, params, value_chunks, best_value_len)
+            page = self.cache.page_size
+            exact = result.full_kv_hit_length // page * page
+            boundary = result.device_prefix_len + result.host_hit_length
+            return result._replace(mamba_branching_seqlen=exact if exact > boundary else None)
 
         def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
             counters = self.__dict__.setdefault("marconi_admission_counters", AdmissionCounters())
@@ -52,24 +95,42 @@ def admission_mixin():
                 if cache_len:
                     counters.final_states_admitted += 1
                 return cache_len
-            position = req.kv.mamba_last_track_seqlen if self.cache.enable_mamba_extra_buffer else token_ids_len
-            if position is None or position != branch_position(req):
+            extra_buffer = self.cache.enable_mamba_extra_buffer
+            position = req.kv.mamba_last_track_seqlen if extra_buffer else token_ids_len
+            if not self._marconi_admits(req, position, token_ids_len):
                 counters.checkpoints_declined += 1
                 self.__dict__.setdefault("_marconi_declined", set()).add(req.rid)
                 return 0
-            if not self.cache.enable_mamba_extra_buffer and not self._marconi_reserve_slot():
+            if not extra_buffer and not self._marconi_reserve_slot():
                 counters.skipped_no_slot += 1
                 return 0
             cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
             if cache_len:
                 counters.branch_states_admitted += 1
+                counters.grid_lost_tokens += branch_position(req) - cache_len
             return cache_len
+
+        def _marconi_admits(self, req, position, checkpoint_end) -> bool:
+            """Is the state at `position` (this checkpoint's, ending at `checkpoint_end`) the
+            request's branch state?"""
+            branch = branch_position(req)
+            if branch is None or position is None or position > branch:
+                return False
+            if self.cache.enable_mamba_extra_buffer:
+                # Later extends start at checkpoint_end and snapshot a chunk or more in: none can
+                # land in (position, branch] once the branch is less than a chunk beyond it.
+                return position == branch or branch - checkpoint_end < self.mamba_cache_chunk_size
+            # no_buffer: where two-pass prefill ended the chunk for the branch (at it, or at the
+            # last aligned position before it when it could not end there)
+            cut = getattr(req, "marconi_branch_cut", None)
+            return position == (branch if cut is None else cut)
 
         def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
             declined = self.__dict__.get("_marconi_declined")
             if not is_finished and declined and req.rid in declined:
                 # Nothing was donated: keep the request's tracked state (extra-buffer mode), which
-                # upstream's cleanup would forget, so its final state can still be admitted.
+                # upstream's cleanup would forget, so its final state can still be admitted (and a
+                # state tracked before the branch is still there when the branch is decided).
                 declined.discard(req.rid)
                 return
             super().cleanup_after_caching_req(req, is_finished, insert_result=insert_result, insert_params=insert_params)

@@ -1,15 +1,16 @@
 """Two-pass prefill inside SGLang's scheduler: end a prefill chunk at the branch position.
 
-Marconi admits a request's branch state only from the checkpoint whose length equals
-`req.mamba_branching_seqlen` (set at match time; see `admission.py`). In SGLang's no_buffer mode
-(the default without overlap scheduling / with page size 1) a Mamba state exists only at the end
-of an extend, so when the branch lies strictly inside the extend that `PrefillAdder` picks, the
+Marconi admits a request's branch state from the checkpoint at `req.mamba_branching_seqlen`
+(the exact branch, set at match time; see `admission.py`). In SGLang's no_buffer mode (the
+default without overlap scheduling / with page size 1) a Mamba state exists only at the end of
+an extend, so when the branch lies strictly inside the extend that `PrefillAdder` picks, the
 extend is ended at the branch and the request continues as SGLang's (single) chunked request in
 the next round; `Scheduler.stash_chunked_request` -> `checkpoint_kv_cache` then runs at exactly
-the branch length. In extra-buffer mode SGLang tracks the branch itself (`mamba_track`), so
-nothing changes there; nothing changes either when the tree cache is not Marconi's.
+the branch length. In extra_buffer mode no chunk is split: the forward pass snapshots a state
+inside the extend, and a third hook steers that snapshot to the branch (below). Nothing changes
+when the tree cache is not Marconi's.
 
-Done with two AROUND hooks from SGLang's `HookRegistry` (no source patch):
+Done with AROUND hooks from SGLang's `HookRegistry` (no source patch):
 
 - `PrefillAdder._select_prefill_admission` (a new request, called from `add_one_req`): its result
   (`_PrefillAdmission`: prefix, extend, max-new reservation, is_chunked) is what
@@ -26,22 +27,33 @@ Done with two AROUND hooks from SGLang's `HookRegistry` (no source patch):
   (`chunked_req_limit`, read only there) is capped at the branch for the call, so upstream's own
   arithmetic computes the shorter chunk and charges exactly it.
 
-Split positions come from `admission.chunk_end_for_branch`; a cut that is not page aligned (or
-not on `truncation_align_size`) is not made (counted). Counters live on the tree cache,
-`tree_cache.marconi_two_pass_counters`.
+- `ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend` (extra_buffer mode, Marconi's
+  admission on): SGLang snapshots `req.mamba_branching_seqlen` when it lies a whole number of
+  chunks (`mamba_cache_chunk_size`) into the extend, else the extend's last such position. For
+  the extend that contains the branch, the branch is replaced for the call by the last such
+  position at or before it (`admission.tracked_position_for_branch`), so the state kept for the
+  branch is the closest one the mode can snapshot, the branch itself when it is on that grid.
+
+Split positions come from `admission.chunk_end_for_branch`. Where a cut at the branch is not
+page aligned (or not on `truncation_align_size`), the chunk is ended at the last aligned position
+before the branch instead, if there is one after the prefix (`req.marconi_branch_cut`, which
+admission then takes for the branch state), else not split (counted `skipped_unaligned`).
+Counters live on the tree cache, `tree_cache.marconi_two_pass_counters`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import pkgutil
 from dataclasses import dataclass
 
-from sglang_marconi.serving.admission import chunk_end_for_branch
+from sglang_marconi.serving.admission import chunk_end_for_branch, tracked_position_for_branch
 
 _POLICY = "sglang.srt.managers.schedule_policy.PrefillAdder"
 SELECT_TARGET = f"{_POLICY}._select_prefill_admission"
 CHUNKED_TARGET = f"{_POLICY}.add_chunked_req"
+TRACK_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend"
 
 
 @dataclass
@@ -49,7 +61,8 @@ class TwoPassCounters:
     splits: int = 0  # new requests whose extend was ended at their branch
     continuation_splits: int = 0  # continuing chunked requests ended at their branch
     skipped_other_chunked: int = 0  # branch inside the extend, but another request is chunked
-    skipped_unaligned: int = 0  # branch not on the page / truncation grid
+    skipped_unaligned: int = 0  # branch not on the page / truncation grid, and no aligned cut before it
+    aligned_below: int = 0  # branch not on the page / truncation grid: cut at the last aligned position
     deferred_second_chunked: int = 0  # a new chunked admission refused: one is chunked already
 
 
@@ -59,6 +72,16 @@ def two_pass_active(tree_cache) -> bool:
         getattr(tree_cache, "marconi_settings", None) is not None
         and getattr(tree_cache, "enable_mamba_extra_buffer", True) is False
     )
+
+
+def _mamba_component(tree_cache):
+    components = getattr(tree_cache, "components", None) or {}
+    return next((c for c in components.values() if getattr(c, "marconi_exact_branch", False)), None)
+
+
+def branch_tracking_active(tree_cache) -> bool:
+    """Marconi's admission (which reports exact branches), in extra_buffer mode."""
+    return getattr(tree_cache, "enable_mamba_extra_buffer", False) is True and _mamba_component(tree_cache) is not None
 
 
 def counters(tree_cache) -> TwoPassCounters:
@@ -71,6 +94,22 @@ def _aligned(adder, prefix_len: int, end: int, truncation_align_size=None) -> bo
     return truncation_align_size is None or (end - prefix_len) % truncation_align_size == 0
 
 
+def _cut(adder, req, prefix_len: int, branch: int, truncation_align_size=None) -> int | None:
+    """Where to end the chunk for the branch: at it, else at the last aligned position before it
+    (after the prefix; recorded on the request for admission, which then takes that state for
+    the branch), else None."""
+    if _aligned(adder, prefix_len, branch, truncation_align_size):
+        return branch
+    step = math.lcm(adder.page_size, truncation_align_size or 1)
+    cut = branch - (branch - prefix_len) % step  # prefix_len is page aligned (the prefix is pages)
+    while cut > prefix_len and not _aligned(adder, prefix_len, cut, truncation_align_size):
+        cut -= step
+    if cut <= prefix_len:
+        return None
+    req.marconi_branch_cut = cut
+    return cut
+
+
 def _select_around(original, adder, req, *args, **kwargs):
     admission = original(adder, req, *args, **kwargs)
     cache = adder.tree_cache
@@ -80,6 +119,7 @@ def _select_around(original, adder, req, *args, **kwargs):
 
     if isinstance(admission, AddReqResult):
         return admission
+    req.marconi_branch_cut = None  # admitted from a new match: no cut made for its branch yet
     another_chunked = kwargs.get("has_chunked_req", False) or adder.new_chunked_req is not None
     if admission.is_chunked and another_chunked:
         counters(cache).deferred_second_chunked += 1
@@ -94,9 +134,13 @@ def _select_around(original, adder, req, *args, **kwargs):
     if another_chunked:
         counters(cache).skipped_other_chunked += 1
         return admission
-    if not _aligned(adder, prefix, cut, kwargs.get("truncation_align_size")):
+    branch = cut
+    cut = _cut(adder, req, prefix, branch, kwargs.get("truncation_align_size"))
+    if cut is None:
         counters(cache).skipped_unaligned += 1
         return admission
+    if cut != branch:
+        counters(cache).aligned_below += 1
     counters(cache).splits += 1
     # Keep max_new_tokens: the request is charged as if it finished its prefill (over-reserving).
     return dataclasses.replace(admission, extend_len=cut - prefix, is_chunked=True)
@@ -108,11 +152,16 @@ def _add_chunked_around(original, adder, req, *args, **kwargs):
         return original(adder, req, *args, **kwargs)
     n = len(req.full_untruncated_fill_ids)
     cut = chunk_end_for_branch(req, n)
-    if not req.prefix_len < cut < n:
+    if not req.prefix_len < cut < n or getattr(req, "marconi_branch_cut", None) is not None:
+        # (a cut below the branch already gave the request its branch state)
         return original(adder, req, *args, **kwargs)
-    if not _aligned(adder, req.prefix_len, cut):
+    branch = cut
+    cut = _cut(adder, req, req.prefix_len, branch)
+    if cut is None:
         counters(cache).skipped_unaligned += 1
         return original(adder, req, *args, **kwargs)
+    if cut != branch:
+        counters(cache).aligned_below += 1
     saved = adder.chunked_req_limit
     limit = cut - req.prefix_len
     adder.chunked_req_limit = limit if saved is None else min(saved, limit)
@@ -122,10 +171,27 @@ def _add_chunked_around(original, adder, req, *args, **kwargs):
         adder.chunked_req_limit = saved
     if adder.can_run_list and adder.can_run_list[-1] is req and req.extend_end == cut:
         counters(cache).continuation_splits += 1
+    else:
+        req.marconi_branch_cut = None  # the budget ended the chunk elsewhere: cut again next round
     return result
 
 
-_HOOKS = ((SELECT_TARGET, _select_around), (CHUNKED_TARGET, _add_chunked_around))
+def _track_around(original, batch, req, *args, **kwargs):
+    cache = batch.tree_cache
+    if not branch_tracking_active(cache):
+        return original(batch, req, *args, **kwargs)
+    branch = req.mamba_branching_seqlen
+    target = tracked_position_for_branch(req, _mamba_component(cache).mamba_cache_chunk_size)
+    if target is None or target == branch:
+        return original(batch, req, *args, **kwargs)
+    req.mamba_branching_seqlen = target  # what upstream snapshots when it is on the chunk grid
+    try:
+        return original(batch, req, *args, **kwargs)
+    finally:
+        req.mamba_branching_seqlen = branch
+
+
+_HOOKS = ((SELECT_TARGET, _select_around), (CHUNKED_TARGET, _add_chunked_around), (TRACK_TARGET, _track_around))
 _originals: dict[str, object] = {}
 
 

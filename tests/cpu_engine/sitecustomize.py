@@ -10,5 +10,7 @@ import os
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
     import kernel_patches
+    import snapshot_platform  # Mamba state snapshots: the extra_buffer radix strategy on CPU
 
+    snapshot_platform.add_to(kernel_patches.PATCHES)
     kernel_patches.install()

@@ -1,5 +1,14 @@
-"""Marconi's admission inside SGLang's real cache (no_buffer mode): a shared system prompt is
-reused from its third occurrence, and no request leaves more than two SSM states."""
+"""Marconi's admission inside SGLang's real cache, in both Mamba radix-cache strategies: a shared
+system prompt is reused from its third occurrence, at the branch itself in no_buffer mode (two-pass
+prefill ends a chunk there) and at the last state extra_buffer mode can snapshot before it, and no
+request leaves more than two SSM states.
+
+no_buffer requests are split at the branch (`chunk_end_for_branch`, what the two-pass hooks make
+the scheduler do); extra_buffer requests are not split (the hooks leave that mode's chunks alone)
+and run SGLang's own snapshot bookkeeping (`ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend`)
+with Marconi's tracking hook applied."""
+
+import random
 
 import pytest
 
@@ -12,8 +21,20 @@ from sglang_marconi.serving.eviction_components import (  # noqa: E402
     MarconiEvictionSettings,
     marconi_component_overrides,
 )
+from sglang_marconi.serving.two_pass_prefill import (  # noqa: E402
+    install_two_pass_prefill_hook,
+    uninstall_two_pass_prefill_hook,
+)
 
-SYSTEM = list(range(1, 1001))  # 1,000-token system prompt; the Mamba checkpoint grid is 64
+SYSTEM = list(range(1, 1001))  # 1,000-token system prompt; SGLang's Mamba checkpoint grid is 64
+
+
+@pytest.fixture
+def hooks():
+    """The scheduler hooks the plugin registers (two-pass splits, extra_buffer tracking)."""
+    install_two_pass_prefill_hook(apply_now=True)
+    yield
+    uninstall_two_pass_prefill_hook()
 
 
 def marconi(alpha=0.0, **kwargs):
@@ -21,6 +42,7 @@ def marconi(alpha=0.0, **kwargs):
     overrides = marconi_component_overrides(settings, mamba_mixins=(admission_mixin(),))
     cc = build_cache(component_registry_override=overrides, **kwargs)
     cc.settings = settings
+    cc.cache.marconi_settings = settings  # what the `marconi` backend factory sets
     return cc
 
 
@@ -28,9 +50,27 @@ def states_in_tree(cc) -> int:
     return sum(1 for n in cc.nodes() if n.component_data[MAMBA].value is not None)
 
 
+def depth(node) -> int:
+    n = 0
+    while node.parent is not None:
+        n += len(node.key)
+        node = node.parent
+    return n
+
+
+def state_depths(cc) -> set[int]:
+    return {depth(n) for n in cc.nodes() if n.component_data[MAMBA].value is not None}
+
+
+def admission(cc):
+    return cc.cache.components[MAMBA].marconi_admission_counters
+
+
 def serve(cc, tokens, n_out, **kw):
+    """One request as the scheduler runs it in the cache's mode; returns (hit, states added)."""
     before = states_in_tree(cc)
-    req, hit = run_request(cc, tokens, n_out, chunk_end=chunk_end_for_branch, **kw)
+    chunk_end = None if cc.cache.enable_mamba_extra_buffer else chunk_end_for_branch
+    req, hit = run_request(cc, tokens, n_out, chunk_end=chunk_end, **kw)
     cc.check_no_leak()
     return hit, states_in_tree(cc) - before
 
@@ -39,8 +79,22 @@ def test_shared_system_prompt_reused_from_third_occurrence():
     cc = marconi()
     results = [serve(cc, SYSTEM + list(range(5000 + 300 * i, 5200 + 300 * i)), 8) for i in range(4)]
     hits = [h for h, _ in results]
-    assert hits == [0, 0, 960, 960]  # the branch at 1,000 lands on the 64-token grid at 960
+    assert hits == [0, 0, 1000, 1000]  # the branch state sits at 1,000 exactly, not at 960 on the grid
     assert [added for _, added in results] == [1, 2, 1, 1]
+    assert admission(cc).grid_lost_tokens == 0
+
+
+def test_third_request_sharing_a_150_token_prompt_hits_all_150():
+    cc = marconi()
+    shared = list(range(7, 157))
+    hits = [serve(cc, shared + list(range(9000 + 40 * i, 9020 + 40 * i)), 4)[0] for i in range(3)]
+    assert hits == [0, 0, 150]  # not 128, the 64-token grid's floor
+
+
+def test_exact_branch_grid_is_the_page_in_no_buffer_mode_only():
+    assert marconi().cache.components[MAMBA].mamba_checkpoint_grid == 1  # page size 1
+    assert marconi(extra_buffer=True, mamba_size=64).cache.components[MAMBA].mamba_checkpoint_grid == 64
+    assert build_cache().cache.components[MAMBA].mamba_checkpoint_grid == 64  # upstream's own
 
 
 def test_upstream_no_buffer_never_reuses_the_system_prompt():
@@ -102,15 +156,18 @@ def marconi_xbuf(**kwargs):
     return marconi(extra_buffer=True, mamba_size=64, **kwargs)
 
 
-def test_extra_buffer_mode_reuses_system_prompt_from_third_occurrence():
+def test_extra_buffer_mode_reuses_system_prompt_from_third_occurrence(hooks):
     cc = marconi_xbuf()
     results = [serve(cc, SYSTEM + list(range(5000 + 300 * i, 5200 + 300 * i)), 20) for i in range(4)]
+    # One snapshot per extend: the second request's, steered to 960, the last 64-token step before
+    # its branch at 1,000 (on this grid, since the extend starts at 0).
     assert [h for h, _ in results] == [0, 0, 960, 960]
     assert all(added <= 2 for _, added in results)
+    assert admission(cc).branch_states_admitted == 1 and admission(cc).grid_lost_tokens == 40
 
 
 @pytest.mark.parametrize("chunk_size", [None, 256])
-def test_extra_buffer_mode_keeps_at_most_two_states_per_request(chunk_size):
+def test_extra_buffer_mode_keeps_at_most_two_states_per_request(hooks, chunk_size):
     cc = marconi_xbuf()
     upstream = build_cache(extra_buffer=True, mamba_size=64)
     prompts = [SYSTEM + list(range(7000 + 900 * i, 7000 + 900 * i + 700)) for i in range(4)]
@@ -120,3 +177,71 @@ def test_extra_buffer_mode_keeps_at_most_two_states_per_request(chunk_size):
     for prompt in prompts:
         run_request(upstream, prompt, 300, chunk_size=chunk_size)
     assert states_in_tree(upstream) > states_in_tree(cc)
+
+
+def test_extra_buffer_branch_off_the_chunk_grid_keeps_the_last_snapshot_before_it(hooks):
+    """Prefill chunks of 150 tokens start off the 64-token grid, so the branch at 1,000 (and
+    upstream's floor of it, 960) is never 64k tokens into an extend: upstream snapshots each
+    chunk's last 64k position (128, 278, ..., 878, then 1028 past the branch). Marconi steers the
+    extend [900, 1050) to snapshot 964, the last position it can before the branch."""
+    cc, upstream = marconi_xbuf(), build_cache(extra_buffer=True, mamba_size=64)
+    prompts = [SYSTEM + list(range(5000 + 300 * i, 5200 + 300 * i)) for i in range(3)]
+    hits = [serve(cc, p, 20, chunk_size=150)[0] for p in prompts]
+    assert hits == [0, 0, 964]
+    assert 964 in state_depths(cc) and admission(cc).grid_lost_tokens == 1000 - 964
+    for p in prompts[:2]:
+        run_request(upstream, p, 20, chunk_size=150)
+    assert max(d for d in state_depths(upstream) if d <= 1000) == 878
+    assert run_request(upstream, prompts[2], 20, chunk_size=150)[1] == 878
+
+
+def test_extra_buffer_branch_on_a_later_chunk_boundary_keeps_the_earlier_snapshot(hooks):
+    """The branch 36 tokens past the start of the extend that contains it: that extend can
+    snapshot nothing before it, so the state the previous extend snapshotted (964, kept with the
+    request when its checkpoint declined it) is admitted at the checkpoint between them."""
+    cc = marconi_xbuf()
+    shared = SYSTEM + list(range(20000, 20036))  # 1,036 tokens; chunks of 100 start at 1,000
+    prompts = [shared + list(range(30000 + 300 * i, 30200 + 300 * i)) for i in range(3)]
+    hits = [serve(cc, p, 20, chunk_size=100)[0] for p in prompts[:2]]
+    assert admission(cc).grid_lost_tokens == 1036 - 964 and admission(cc).branch_states_admitted == 1
+    hits.append(serve(cc, prompts[2], 20, chunk_size=100)[0])
+    assert hits == [0, 0, 964]  # chunk [900, 1000) snapshots 964; [1000, 1100) could only 1,064
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_extra_buffer_keeps_no_fewer_reusable_states_before_the_branch_than_upstream(hooks, seed):
+    """Same first request in both caches (one extend, no decode: both keep its one snapshot), then a second
+    one branching off it, prefilled in chunks of a random size: Marconi's branch state is at or
+    after the last state upstream keeps at or before the branch, and at or before the branch."""
+    rng = random.Random(seed)
+    for _ in range(8):
+        first = list(range(1, rng.randint(200, 1400)))
+        branch = rng.randint(100, len(first) - 1)
+        second = first[:branch] + list(range(50000, 50000 + rng.randint(1, 500)))
+        chunk = rng.choice([None, 64, 100, 128, 150, 256, 333])
+        trees = []
+        for cc in (marconi_xbuf(), build_cache(extra_buffer=True, mamba_size=64)):
+            run_request(cc, first, 1)  # one token: no decode step, so no decode snapshot
+            before = state_depths(cc)
+            _, hit = run_request(cc, second, 1, chunk_size=chunk)
+            cc.check_no_leak()
+            trees.append((hit, {d for d in state_depths(cc) - before if d <= branch}))
+        (hit, ours), (upstream_hit, theirs) = trees
+        assert hit == upstream_hit  # the same first request left the same state
+        assert len(ours) <= 1
+        if theirs:
+            assert ours and max(ours) >= max(theirs), (first[-1], branch, chunk, ours, theirs)
+
+
+def test_grid_lost_tokens_reach_the_metrics(hooks):
+    from sglang_cpu import build_marconi_serving
+
+    from sglang_marconi.serving.config import MarconiServingConfig
+
+    cc, runtime = build_marconi_serving(MarconiServingConfig(alpha=0.0), extra_buffer=True, mamba_size=64)
+    for i in range(2):
+        run_request(cc, SYSTEM + list(range(5000 + 300 * i, 5200 + 300 * i)), 20)
+    assert admission(cc).grid_lost_tokens == 40
+    figures = runtime.metrics(cc.cache)
+    if "marconi_branch_tokens_lost_to_grid" in figures:  # the gauge lives in runtime.py
+        assert figures["marconi_branch_tokens_lost_to_grid"] == 40

@@ -16,10 +16,13 @@ from sglang_marconi.serving.eviction_components import (  # noqa: E402
     MarconiEvictionSettings,
     marconi_component_overrides,
 )
+from sglang_marconi.serving.admission import tracked_position_for_branch  # noqa: E402
 from sglang_marconi.serving.two_pass_prefill import (  # noqa: E402
     CHUNKED_TARGET,
     SELECT_TARGET,
+    TRACK_TARGET,
     TwoPassCounters,
+    branch_tracking_active,
     install_two_pass_prefill_hook,
     two_pass_active,
     uninstall_two_pass_prefill_hook,
@@ -31,18 +34,21 @@ from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  #
 from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
-SYSTEM = list(range(1, 1001))  # branch at 1,000 lands on the 64-token Mamba grid at 960
+SYSTEM = list(range(1, 1001))  # a branch at 1,000: off SGLang's 64-token Mamba grid, exact for Marconi
 MODEL_CONFIG = types.SimpleNamespace(vocab_size=32000, is_encoder_decoder=False)
 
 
 @pytest.fixture(autouse=True)
 def hooks():
-    originals = (PrefillAdder._select_prefill_admission, PrefillAdder.add_chunked_req)
+    track = "_mamba_radix_cache_v2_req_prepare_for_extend"
+    originals = (PrefillAdder._select_prefill_admission, PrefillAdder.add_chunked_req, ScheduleBatch.__dict__[track])
     install_two_pass_prefill_hook(apply_now=True)
     assert PrefillAdder._select_prefill_admission is not originals[0]
+    assert ScheduleBatch.__dict__[track] is not originals[2]
     yield
     uninstall_two_pass_prefill_hook()
-    assert (PrefillAdder._select_prefill_admission, PrefillAdder.add_chunked_req) == originals
+    assert (PrefillAdder._select_prefill_admission, PrefillAdder.add_chunked_req,
+            ScheduleBatch.__dict__[track]) == originals
 
 
 def marconi(**kwargs):
@@ -59,8 +65,9 @@ class Scheduler:
     decides and runs prefill chunks (no model forward: the state copy-on-write the forward pass
     would do is done by hand; every request decodes one token and finishes)."""
 
-    def __init__(self, cc, chunked_prefill_size=8192, max_prefill_tokens=16384):
+    def __init__(self, cc, chunked_prefill_size=8192, max_prefill_tokens=16384, truncation_align_size=None):
         self.cc = cc
+        self.truncation_align_size = truncation_align_size
         self.chunked_prefill_size = chunked_prefill_size
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting = []
@@ -90,7 +97,8 @@ class Scheduler:
             if adder.budget_state() == AddReqResult.OTHER:
                 break
             req.init_next_round_input(cc.cache)
-            res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None, truncation_align_size=None)
+            res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None,
+                                    truncation_align_size=self.truncation_align_size)
             if res != AddReqResult.CONTINUE:
                 added = len(adder.can_run_list) > 0 and req is adder.can_run_list[-1]
                 if not added:
@@ -154,7 +162,7 @@ def two_pass(cc) -> TwoPassCounters:
 def test_hooks_registered_once_through_the_hook_registry():
     install_two_pass_prefill_hook()
     install_two_pass_prefill_hook(apply_now=True)
-    for target in (SELECT_TARGET, CHUNKED_TARGET):
+    for target in (SELECT_TARGET, CHUNKED_TARGET, TRACK_TARGET):
         assert len(HookRegistry._hooks[target]) == 1 and target in HookRegistry._patched
 
 
@@ -187,24 +195,24 @@ def test_branch_inside_the_extend_is_split_there_and_continues_as_the_chunked_re
 
     req = s.submit(SYSTEM + list(range(6000, 6200)))
     adder, batch = s.round()
-    assert req.mamba_branching_seqlen == 960 and req.prefix_len == 960  # stashed at the branch
+    assert req.mamba_branching_seqlen == 1000 and req.prefix_len == 1000  # stashed at the branch
     assert s.chunked_req is req and adder.new_chunked_req is req
-    assert batch.extend_num_tokens == 960 and batch.seq_lens_cpu.tolist() == [960]
-    # Budgets charge exactly the 960-token chunk (+ one page), keeping the request's max-new
+    assert batch.extend_num_tokens == 1000 and batch.seq_lens_cpu.tolist() == [1000]
+    # Budgets charge exactly the 1,000-token chunk (+ one page), keeping the request's max-new
     # reservation of 1 token (over-reserving, as for a request that finishes its prefill).
-    assert adder.memory_budget.current_offset == 961 and adder.memory_budget.total_offset == 962
-    assert adder.rem_chunk_tokens == 8192 - 960 and adder.log_input_tokens == 960
-    assert 960 in state_depths(cc)  # the branch state, admitted by Marconi's admission
+    assert adder.memory_budget.current_offset == 1001 and adder.memory_budget.total_offset == 1002
+    assert adder.rem_chunk_tokens == 8192 - 1000 and adder.log_input_tokens == 1000
+    assert 1000 in state_depths(cc)  # the branch state, admitted by Marconi's admission
     assert two_pass(cc).splits == 1
 
     adder, batch = s.round()  # the continuation: the rest of the prompt, then it finishes
-    assert batch.extend_num_tokens == 240 and s.chunked_req is None and req.finished()
-    assert state_depths(cc) == [960, 1200, 1200]
+    assert batch.extend_num_tokens == 200 and s.chunked_req is None and req.finished()
+    assert state_depths(cc) == [1000, 1200, 1200]
     cc.check_no_leak()
 
     third = s.submit(SYSTEM + list(range(7000, 7200)))
     s.drain()
-    assert third.cached_tokens == 960  # reused from the branch state
+    assert third.cached_tokens == 1000  # reused from the branch state, exactly at the branch
     cc.check_no_leak()
 
 
@@ -243,24 +251,24 @@ def test_continuing_chunked_request_is_ended_at_its_branch_and_no_second_split()
     s.drain()  # tree: 1600 tokens of KV, final state only
     assert state_depths(cc) == [1600]
 
-    long = s.submit(prompt[:1550] + list(range(30000, 31000)))  # hit 1550 -> branch at 1536
+    long = s.submit(prompt[:1550] + list(range(30000, 31000)))  # hit 1550 -> branch at 1550
     adder, batch = s.round()  # upstream chunk [0, 1024): the branch is not inside
-    assert long.mamba_branching_seqlen == 1536 and batch.extend_num_tokens == 1024
+    assert long.mamba_branching_seqlen == 1550 and batch.extend_num_tokens == 1024
     assert s.chunked_req is long and two_pass(cc).splits == 0
 
-    small = s.submit(prompt[:450] + list(range(40000, 40050)))  # branch at 448, extend 500
+    small = s.submit(prompt[:450] + list(range(40000, 40040)))  # branch at 450, extend 490
     big = s.submit(list(range(50000, 52000)))  # would need a chunk of its own
     adder, batch = s.round()
-    # The continuation ends at the branch (512 of the 1024 budget) and stays the chunked request;
-    assert long.prefix_len == 1536 and s.chunked_req is long and 1536 in state_depths(cc)
+    # The continuation ends at the branch (526 of the 1024 budget) and stays the chunked request;
+    assert long.prefix_len == 1550 and s.chunked_req is long and 1550 in state_depths(cc)
     assert two_pass(cc).continuation_splits == 1
-    assert adder.memory_budget.current_offset == 512 + 1 + 500 + 1  # exact charges
+    assert adder.memory_budget.current_offset == 526 + 1 + 490 + 1  # exact charges
     # the small request, branch inside its extend, is admitted whole: its state there is lost;
-    assert small.finished() and small.mamba_branching_seqlen == 448
+    assert small.finished() and small.mamba_branching_seqlen == 450
     assert two_pass(cc).skipped_other_chunked == 1
     # the big one would become a second chunked request: refused this round, still queued.
     assert two_pass(cc).deferred_second_chunked == 1 and s.waiting == [big]
-    assert batch.extend_num_tokens == 512 + 500
+    assert batch.extend_num_tokens == 526 + 490
 
     s.drain()
     assert long.finished() and big.finished()
@@ -274,11 +282,11 @@ def test_second_new_request_with_a_branch_is_not_split_in_the_same_round():
     other = list(range(60000, 60700))
     s.submit(other + [1])
     s.drain()
-    a = s.submit(SYSTEM + list(range(6000, 6100)))  # branch 960
-    b = s.submit(other + list(range(61000, 61100)))  # branch 640
+    a = s.submit(SYSTEM + list(range(6000, 6100)))  # branch 1000
+    b = s.submit(other + list(range(61000, 61100)))  # branch 700
     adder, batch = s.round()
-    assert s.chunked_req is a and a.prefix_len == 960
-    assert b.finished() and b.mamba_branching_seqlen == 640
+    assert s.chunked_req is a and a.prefix_len == 1000
+    assert b.finished() and b.mamba_branching_seqlen == 700
     c = two_pass(cc)
     assert (c.splits, c.skipped_other_chunked) == (1, 1)
     s.drain()
@@ -303,6 +311,50 @@ def test_inactive_in_extra_buffer_mode():
     assert not two_pass_active(marked)
     assert two_pass_active(types.SimpleNamespace(marconi_settings=object(), enable_mamba_extra_buffer=False))
     assert not two_pass_active(types.SimpleNamespace(enable_mamba_extra_buffer=False))
+
+
+def test_snapshot_steering_only_with_marconis_admission_in_extra_buffer_mode():
+    assert branch_tracking_active(marconi(extra_buffer=True, mamba_size=64).cache)
+    assert not branch_tracking_active(marconi().cache)  # no_buffer: two-pass splits instead
+    assert not branch_tracking_active(build_cache(extra_buffer=True, mamba_size=64).cache)  # upstream's
+    eviction_only = marconi_component_overrides(MarconiEvictionSettings("nemotron-h-8b", alpha=0.0))
+    assert not branch_tracking_active(build_cache(component_registry_override=eviction_only, extra_buffer=True,
+                                                  mamba_size=64).cache)  # --marconi-admission off
+
+
+@pytest.mark.parametrize("prefix_len,extend_end,branch,expected", [
+    (0, 1200, 1000, 960),  # on SGLang's grid from an extend that starts at 0
+    (900, 1050, 1000, 964),  # an extend starting off the grid: 64 tokens after its start
+    (0, 1200, 960, 960),  # the branch itself when it is a whole number of chunks in
+    (1000, 1100, 1036, None),  # less than a chunk in: nothing this extend can snapshot before it
+    (0, 900, 1000, None),  # the branch beyond this extend: upstream's snapshot
+    (1000, 1200, 1000, None),  # the branch at the extend's start: nothing to add
+])
+def test_tracked_position_for_branch(prefix_len, extend_end, branch, expected):
+    req = types.SimpleNamespace(prefix_len=prefix_len, extend_end=extend_end, mamba_branching_seqlen=branch)
+    assert tracked_position_for_branch(req, 64) == expected
+
+
+def test_unaligned_branch_is_cut_at_the_last_aligned_position_before_it():
+    """A truncation alignment (deterministic inference, DSA, DCP) allows chunks of 64k tokens from
+    the prefix only: the chunk ends at 960, the last such position before the branch at 1,000,
+    and that state is admitted for the branch (40 tokens lost to the alignment, counted)."""
+    cc = marconi()
+    s = Scheduler(cc, truncation_align_size=64)
+    s.submit(SYSTEM + list(range(5000, 5192)))
+    s.drain()
+    req = s.submit(SYSTEM + list(range(6000, 6192)))
+    adder, batch = s.round()
+    assert req.mamba_branching_seqlen == 1000 and req.marconi_branch_cut == 960 and req.prefix_len == 960
+    assert batch.extend_num_tokens == 960 and 960 in state_depths(cc)
+    assert (two_pass(cc).splits, two_pass(cc).aligned_below, two_pass(cc).skipped_unaligned) == (1, 1, 0)
+    s.drain()
+    admission = cc.cache.components[MAMBA].marconi_admission_counters
+    assert admission.branch_states_admitted == 1 and admission.grid_lost_tokens == 40
+    third = s.submit(SYSTEM + list(range(7000, 7192)))
+    s.drain()
+    assert third.cached_tokens == 960
+    cc.check_no_leak()
 
 
 def test_split_counts_reach_the_metrics():

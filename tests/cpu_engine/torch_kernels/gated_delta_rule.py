@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from . import COMPUTE_DTYPE, PAD_SLOT_ID, round_to_state_precision
 
+CHUNK_SIZE = 64  # the Triton kernel's chunk (FLA's CHUNK_SIZE): the grid of the states h returns
+
 
 def _gates(A_log, a, dt_bias, b, softplus_beta=1.0, softplus_threshold=20.0):
     """float32 (g, beta), each shaped like a / b: computed in float64 and rounded, so prefill
@@ -68,8 +70,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     v [1, T, HV, V]; g, beta [1, T, HV]; cu_seqlens [N + 1] delimits the sequences;
     sequence i starts from initial_state[initial_state_indices[i]] ([slots, HV, V, K]) and,
     with inplace_update, leaves its final state there. Rows whose slot is PAD_SLOT_ID are
-    skipped (output 0). Returns (o [1, T, HV, V] in q's dtype, None, None): the per-chunk
-    states the Triton kernel returns third are not produced."""
+    skipped (output 0). Returns (o [1, T, HV, V] in q's dtype, None, h): h [1, NT, HV, V, K]
+    holds, as the Triton kernel's per-chunk states do, the state entering each CHUNK_SIZE-token
+    chunk of each sequence (sequence i's chunks from sum_{j<i} ceil(len_j / CHUNK_SIZE) on;
+    chunk 0: its initial state), which the extra_buffer strategy snapshots. They stay float32
+    (the Triton kernel rounds them to q's dtype): a snapshot then equals the state a prefill
+    ending there leaves in the pool, so a hit on it reproduces the uncached output exactly."""
     if head_first:
         raise NotImplementedError("chunk_gated_delta_rule stand-in: head_first layout")
     scale = k.shape[-1] ** -0.5 if scale is None else scale
@@ -78,18 +84,23 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     bounds = cu_seqlens.tolist() if cu_seqlens is not None else [0, q.shape[1]]
     slots = initial_state_indices.tolist() if initial_state_indices is not None else list(range(len(bounds) - 1))
     out = torch.zeros(v.shape, dtype=q.dtype)
+    chunks = [-(-(bounds[i + 1] - bounds[i]) // CHUNK_SIZE) for i in range(len(bounds) - 1)]
+    h = torch.zeros(1, sum(chunks), *initial_state.shape[1:], dtype=torch.float32)
     for seq, slot in enumerate(slots):
         start, end = bounds[seq], bounds[seq + 1]
         if slot == PAD_SLOT_ID or end <= start:
             continue
         state = initial_state[slot].to(COMPUTE_DTYPE)
         outputs = torch.empty(end - start, *v.shape[2:], dtype=COMPUTE_DTYPE)
+        first_chunk = sum(chunks[:seq])
         for t in range(start, end):
+            if (t - start) % CHUNK_SIZE == 0:
+                h[0, first_chunk + (t - start) // CHUNK_SIZE] = state
             outputs[t - start], state = delta_rule_step(state, qs[t], ks[t], vs[t], decays[t], betas[t])
         out[0, start:end] = outputs.to(out.dtype)
         if inplace_update:
             initial_state[slot] = state.to(initial_state.dtype)
-    return out, None, None
+    return out, None, h
 
 
 def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, softplus_threshold,

@@ -51,11 +51,14 @@ def _readout(states, C, x, D):
     return y if D is None else y + x * D
 
 
-def ssd_scan_sequence(x, dt, A, B, C, D, state, chunk_size, first_token=0, grid_states=None):
+def ssd_scan_sequence(x, dt, A, B, C, D, state, chunk_size, first_token=0, grid_states=None,
+                      snapshots=None, snapshot_states=None):
     """One sequence, token by token (float64): x, dt [L, H, P]; A [H, P, N]; B, C [L, H, N];
     D [H, P] or None; state [H, P, N] (the entering state). Returns y [L, H, P] and the final
     state. The sequence's tokens sit at flat positions first_token + t; when grid_states
-    ([nchunks, H, P, N]) is given, entry c receives the state after flat token c * chunk_size - 1."""
+    ([nchunks, H, P, N]) is given, entry c receives the state after flat token c * chunk_size - 1.
+    snapshots ({flat position p: [rows]}) copies the state after flat token p - 1 into those rows
+    of snapshot_states (the extra_buffer strategy's tracked states off the chunk grid)."""
     L = x.shape[0]
     y = torch.empty(x.shape, dtype=COMPUTE_DTYPE)
     for block in range(0, L, TOKEN_BLOCK):
@@ -67,6 +70,9 @@ def ssd_scan_sequence(x, dt, A, B, C, D, state, chunk_size, first_token=0, grid_
             position = first_token + block + t + 1
             if grid_states is not None and position % chunk_size == 0 and position // chunk_size < len(grid_states):
                 grid_states[position // chunk_size] = state
+            if snapshots and position in snapshots:
+                for row in snapshots[position]:
+                    snapshot_states[row] = state
         y[block:stop] = _readout(states, C[block:stop], x[block:stop], D)
     return y, state
 
@@ -87,11 +93,18 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     Writes y into `out` ([batch, seqlen, H, P]) and returns what the Triton function returns
     for the same flags: the chunk-grid states [batch, nchunks, H, P, N], the final state of
     the flat stream [batch, H, P, N] and the per-sequence final states [num_seqs, H, P, N].
-    Not supported: the z gate and tracked states (extra-buffer radix tracking)."""
+    With return_track_states (the extra_buffer strategy's prefill snapshots), also the states
+    after flat position track_end_locs[i] of sequence track_seq_idx[i] ([1, n, H, P, N], None
+    when none is asked), for tracked positions off the chunk grid; on the grid SGLang reads
+    the chunk-grid states. Not supported: the z gate."""
     if z is not None:
         raise NotImplementedError("mamba_chunk_scan_combined stand-in: z gate")
+    snapshots = {}
     if return_track_states and track_end_locs is not None and track_end_locs.numel() > 0:
-        raise NotImplementedError("mamba_chunk_scan_combined stand-in: tracked states")
+        if cu_seqlens is None or not return_varlen_states:
+            raise NotImplementedError("mamba_chunk_scan_combined stand-in: tracked states need cu_seqlens")
+        for row, end in enumerate(track_end_locs.tolist()):
+            snapshots.setdefault(int(end), []).append(row)
     if not return_varlen_states:
         cu_seqlens = None
     batch, seqlen, H, P = x.shape
@@ -112,6 +125,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     else:
         rows = [[(0, seqlen)] for _ in range(batch)]
     varlen = torch.zeros(sum(len(r) for r in rows), H, P, N, dtype=COMPUTE_DTYPE)
+    tracked = torch.zeros(len(track_end_locs) if snapshots else 0, H, P, N, dtype=COMPUTE_DTYPE)
     seq = 0
     for row, seq_bounds in enumerate(rows):
         xs = x[row].to(COMPUTE_DTYPE)
@@ -121,7 +135,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
             if start == 0 and num_chunks:
                 states[row, 0] = state  # the grid's first entry: the stream's entering state
             y, state = ssd_scan_sequence(xs[start:end], dts[row, start:end], A_full, Bh[row, start:end],
-                                         Ch[row, start:end], D_full, state, chunk_size, start, states[row])
+                                         Ch[row, start:end], D_full, state, chunk_size, start, states[row],
+                                         snapshots, tracked)
             out[row, start:end] = y.to(out.dtype)
             varlen[seq] = final_states[row] = state
             seq += 1
@@ -130,7 +145,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         varlen = None
 
     if return_track_states:
-        return states, varlen, None
+        return states, varlen, (tracked.to(out_dtype).unsqueeze(0) if snapshots else None)
     if return_intermediate_states:
         if return_varlen_states:
             return (states, final_states, varlen) if return_final_states else (states, varlen)

@@ -430,7 +430,8 @@ for dtype in (torch.float32, torch.bfloat16):
         parts = [torch.empty_like(x) for _ in range(2)]
         dist.all_gather(parts, x)
         got = tp.all_gather(x, dim=dim)
-        out[f"all_gather/{dtype}/{dim}"] = dict(equal=torch.equal(got, torch.cat(parts, dim=dim)), shape=list(got.shape))
+        ref = torch.cat(parts, dim=dim)
+        out[f"all_gather/{dtype}/{dim}"] = dict(equal=torch.equal(got, ref), shape=list(got.shape))
 pynccl.NCCLLibrary = pynccl.NCCLLibrary.original  # the guard undone: what the server met
 try:
     comm = pynccl.PyNcclCommunicator(group=tp.cpu_group, device=tp.device)

@@ -76,6 +76,28 @@ def run_concurrently(url: str, prompts, workers: int = 6) -> list[Generation]:
         pool.shutdown(wait=False, cancel_futures=True)  # a hung request ends when its server is stopped
 
 
+def test_each_rank_gets_its_share_of_the_cpus(monkeypatch):
+    """What live_server hands a parallel server: SGLang wants SGLANG_CPU_OMP_THREADS_BIND once
+    ranks outnumber NUMA nodes, and ranks sharing two cores should not each run two threads."""
+    from live_server import cpu_engine_env, parallel_ranks, threads_bind
+
+    assert parallel_ranks(["--tp-size", "2", "--dp-size=2", "--max-total-tokens", "1500"]) == 4
+    assert parallel_ranks(["--tensor-parallel-size", "2", "--tp-size", "1", "--pp-size", "3"]) == 3
+    assert parallel_ranks([]) == 1
+    assert threads_bind(2, [0, 1]) == "0|1"
+    assert threads_bind(2, [0, 1, 2, 3, 6]) == "0-1|2-3"
+    assert threads_bind(3, [0, 1, 4, 5, 6, 8]) == "0-1|4-5|6,8"
+    assert threads_bind(4, [0, 1]) == "0|1|0|1"
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    env = cpu_engine_env(ranks=2)
+    assert (env["OMP_NUM_THREADS"], env["SGLANG_CPU_OMP_THREADS_BIND"]) == ("1", "0|1")
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in cpu_engine_env() and cpu_engine_env()["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "1|0")  # the caller's choice stands
+    assert cpu_engine_env(ranks=2)["SGLANG_CPU_OMP_THREADS_BIND"] == "1|0"
+
+
 # ---------------------------------------------------------------- --tp-size 2
 
 

@@ -39,6 +39,7 @@ GAUGES = {
     "marconi_evictions_leaf": "Evictions of leaves (KV and SSM state freed).",
     "marconi_evictions_single_child": "Evictions of a single-child node's SSM state (KV kept).",
     "marconi_admissions_skipped_no_slot": "Branch SSM states not admitted for lack of a Mamba slot.",
+    "marconi_branch_tokens_lost_to_grid": "Tokens between branch positions and the admitted branch states before them (extra_buffer snapshot grid, chunk alignment).",
     "marconi_blocked_hit_tokens": "Tokens with a full-KV hit that could not be reused for lack of an SSM state.",
     "marconi_requests": "Requests released through the Marconi cache.",
     "marconi_two_pass_splits": "Prefill chunks ended at a branch position so its SSM state is admitted (two-pass prefill).",

@@ -305,6 +305,7 @@ class MarconiRuntime:
             "marconi_evictions_leaf": counters.evictions_leaf,
             "marconi_evictions_single_child": counters.evictions_single_child,
             "marconi_admissions_skipped_no_slot": admission.skipped_no_slot if admission else 0,
+            "marconi_branch_tokens_lost_to_grid": admission.grid_lost_tokens if admission else 0,
             "marconi_blocked_hit_tokens": f.blocked_tokens,
             "marconi_requests": f.requests,
             "marconi_tuning_failures": int(self.tuning_failed is not None or (tuner is not None and tuner.failed is not None)),

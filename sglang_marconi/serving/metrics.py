@@ -46,9 +46,11 @@ GAUGES = {
     "marconi_two_pass_skipped": "Branch positions inside a prefill chunk not split at (another request chunked, or off the page grid).",
     "marconi_two_pass_deferred": "New chunked admissions deferred one round because a branch split left a chunked request.",
     "marconi_tuner_requests_fed": "Requests sent to the shadow tuner (sampled sessions).",
-    "marconi_tuner_requests_dropped": "Sampled requests dropped because the shadow tuner's channel was full.",
+    "marconi_tuner_requests_dropped": "Sampled requests not sent to the shadow tuner because they exceed its channel (a full channel waits).",
     "marconi_tuner_requests_observed": "Requests the shadow tuner has accounted for (its heartbeat).",
-    "marconi_tuning_failures": "1 once the shadow tuner died, stalled or failed (the current choice is kept).",
+    "marconi_tuning_failures": "1 once the shadow tuner died, stalled or failed on any rank of the group (the current choice is kept).",
+    "marconi_choice_switches": "Eviction choices adopted at sync points since start-up (the same on every rank of a TP/PP group).",
+    "marconi_sync_points": "Sync points passed: every --marconi-tune-sync-every releases, where a choice takes effect and ranks agree.",
 }
 # One sample per eviction choice (label `choice`: "lru", an alpha such as "20", or "seglen:W").
 LABELED_GAUGES = {

@@ -39,9 +39,13 @@ TP_ARGS = (
 )
 # The workload: a long, valuable prefix revisited every 8th request, one-offs of 150-250 tokens
 # in between. LRU lets the one-offs push the prefix out before it comes back (no hit at all in
-# the shadow LRU cache); FLOP-aware eviction keeps it. The policy core's tuner, fed this stream in
-# order or shuffled within windows of 4, leaves LRU after 21-23 requests.
-REQUESTS, LONG, EVERY, MAX_NEW = 80, 640, 8, 8
+# the shadow LRU cache); FLOP-aware eviction keeps it. It is sent in waves of WAVE requests, all
+# of a wave at once, until the cache has left LRU (the policy core's tuner, fed this stream in
+# order or shuffled within windows, leaves LRU after about 50 requests; the choice takes effect
+# at a later sync point), then AFTER_SWITCH more waves, served with the tuner's choice: the long
+# prefix is kept and hit from then on (112 requests, 4 hits of 640 tokens, in the runs so far).
+LONG, EVERY, MAX_NEW = 640, 8, 8
+WAVE, MAX_WAVES, AFTER_SWITCH = 16, 16, 3
 DIVERGENCE = "Found rank divergence"
 
 
@@ -113,14 +117,25 @@ def tp_server(tiny_model, tmp_path_factory):
     server.stop()
 
 
+def switches(figures: dict) -> int:
+    if "marconi_choice_switches" in figures:
+        return figures["marconi_choice_switches"]
+    return int(figures["marconi_choice"] != "lru")  # until the runtime counts them
+
+
 @pytest.fixture(scope="class")
 def tp_workload(tp_server):
-    """(responses in prompt order, /server_info before, after) of the workload."""
-    before = server_info(tp_server.url)
-    responses = run_concurrently(tp_server.url, [prompt(i) for i in range(REQUESTS)])
-    return responses, before, server_info(tp_server.url)
-
-
+    """(responses in prompt order, /server_info before, after) of the workload: waves until the
+    cache has switched its eviction choice (or MAX_WAVES), then AFTER_SWITCH more."""
+    before = after = server_info(tp_server.url)
+    responses, after_switch = [], 0
+    while len(responses) < MAX_WAVES * WAVE and after_switch < AFTER_SWITCH:
+        switched = switches(after["internal_states"][0]["marconi"]) > 0
+        first = len(responses)
+        responses += run_concurrently(tp_server.url, [prompt(i) for i in range(first, first + WAVE)])
+        after = server_info(tp_server.url)
+        after_switch += switched
+    return responses, before, after
 class TestTensorParallel:
     """Two TP ranks, each its own tree, under SGLang's rank-consensus checker."""
 
@@ -132,14 +147,14 @@ class TestTensorParallel:
 
     def test_concurrent_evicting_workload_completes(self, tp_server, tp_workload):
         responses, before, after = tp_workload
-        assert [r.input_ids for r in responses] == [prompt(i) for i in range(REQUESTS)]
+        assert [r.input_ids for r in responses] == [prompt(i) for i in range(len(responses))]
         assert all(len(r.output_ids) == MAX_NEW for r in responses)
         old, new = before["internal_states"][0]["marconi"], after["internal_states"][0]["marconi"]
-        assert new["marconi_requests"] - old["marconi_requests"] == REQUESTS
+        assert new["marconi_requests"] - old["marconi_requests"] == len(responses)
         evictions = lambda f: f["marconi_evictions_leaf"] + f["marconi_evictions_single_child"]  # noqa: E731
         assert evictions(new) > evictions(old), new
         # The check below can fail: different prompts give different greedy outputs.
-        assert len({tuple(r.output_ids) for r in responses}) == REQUESTS
+        assert len({tuple(r.output_ids) for r in responses}) == len(responses)
         assert requests.get(tp_server.url + "/health_generate", timeout=REQUEST_TIMEOUT_S).status_code == 200
 
     def test_warm_responses_equal_cold_ones(self, tp_server, tp_workload):
@@ -160,9 +175,10 @@ class TestTensorParallel:
         assert tp_server.process.poll() is None
 
     def test_tuner_switched_its_choice(self, tp_server, tp_workload):
-        figures = tp_workload[2]["internal_states"][0]["marconi"]
+        responses, _, after = tp_workload
+        figures = after["internal_states"][0]["marconi"]
         assert figures["marconi_tuning_failures"] == 0
-        assert figures["marconi_choice"] != "lru", figures
+        assert figures["marconi_choice"] != "lru", (len(responses), figures)
         if "marconi_choice_switches" not in figures:
             pytest.xfail("waiting for marconi_choice_switches")
         assert figures["marconi_choice_switches"] >= 1, figures

@@ -116,6 +116,7 @@ class MarconiRuntime:
         self._tuning = config.alpha is None
         self._syncing = self._tuning or not self.group.single  # a group agrees on faults even without tuning
         self.adoptions: list[tuple[int, Choice]] = []  # (requests released, choice adopted then)
+        self.ranks = _parallel_ranks()  # which scheduler this is, for /server_info
         settings.on_fault = self._on_fault
         if self._tuning:
             self._adopt(config.tuning().start)
@@ -310,6 +311,7 @@ class MarconiRuntime:
             "marconi_requests": f.requests,
             "marconi_tuning_failures": int(self.tuning_failed is not None or (tuner is not None and tuner.failed is not None)),
             "marconi_choice_switches": len(self.adoptions),
+            **self.ranks,
             "marconi_sync_points": self.released // self.sync_every,
             "marconi_two_pass_splits": two_pass.splits + two_pass.continuation_splits if two_pass else 0,
             "marconi_two_pass_skipped": two_pass.skipped_other_chunked + two_pass.skipped_unaligned if two_pass else 0,
@@ -325,6 +327,20 @@ class MarconiRuntime:
             self.tuner_log = self.tuner.close()
             if tuning and self.group.single and self.tuner_log is not None and self.faulted is None:
                 self._adopt(self.tuner_log.decisions[-1][1])
+
+
+def _parallel_ranks() -> dict:
+    """marconi_tp_rank / _pp_rank / _dp_rank of this scheduler (SGLang's runtime context), or {}
+    outside a server (tests that build the cache alone)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        ranks = {"marconi_tp_rank": parallel.tp_rank, "marconi_pp_rank": parallel.pp_rank,
+                 "marconi_dp_rank": parallel.dp_rank}
+    except Exception:  # noqa: BLE001 - no server context: nothing to label
+        return {}
+    return {k: v for k, v in ranks.items() if isinstance(v, int)}
 
 
 def _mamba_type():

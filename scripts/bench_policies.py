@@ -3,6 +3,7 @@ microbenchmark axes (attention:SSM ratio, SSM state dimension). Prints markdown 
 JSON and a PNG per workload to --out.
 
     python scripts/bench_policies.py [--out out/bench] [--quick] [--only swe-agent,mooncake,...]
+    python scripts/bench_policies.py --suite dev|held-out|all [--quick]   # the robustness suite
 
 Per cell: vLLM+, SGLang+, Marconi tuned online by shadow caches (`marconi`) and the best fixed
 choice in hindsight (`marconi-best`: every candidate replayed over the whole trace). Targets
@@ -19,10 +20,13 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from sglang_marconi.policy.model_profile import load_profile, paper_hybrid_profile
-from sglang_marconi.policy.shadow_tuner import ShadowConfig
+from sglang_marconi.policy.shadow_tuner import ShadowConfig, choice_label, eviction_for
+from sglang_marconi.sim import robustness
+from sglang_marconi.sim.baselines.hybrid_radix import HybridRadixPolicy
 from sglang_marconi.sim.hindsight import replay_best
 from sglang_marconi.sim.plot import plot_runs
 from sglang_marconi.sim.policies import build_policy
@@ -122,13 +126,135 @@ def axis(title, variants):
     return all_runs
 
 
+# ---------------------------------------------------------------- the robustness suite
+
+
+class FixedCache:
+    """Fixed-choice replays of suite cells, kept on disk between runs (they do not depend on the
+    tuner): token and FLOP figures by (workload, capacity, model, choice)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.data = json.loads(path.read_text()) if path and path.exists() else {}
+
+    def get(self, workload, profile, capacity, choice):
+        key = f"{workload.name}|{capacity}|{profile.name}|{choice_label(choice)}"
+        if key not in self.data:
+            policy = HybridRadixPolicy(choice_label(choice), profile, capacity, eviction_for(choice))
+            r = replay(workload, policy, profile, capacity, progress=False)
+            self.data[key] = {"token_hit_rate": r.token_hit_rate, "flops_saved": r.flops_saved,
+                              "hit_tokens": r.hit_tokens, "input_tokens": r.input_tokens, "wall_seconds": r.wall_seconds}
+            if self.path:
+                self.path.write_text(json.dumps(self.data))
+        return self.data[key]
+
+
+def suite_cell(cell, profile, fixed: FixedCache) -> dict:
+    workload = cell.build()
+    cap = int(cell.capacity_gb * 1e9)
+    config = shadow_config_for(workload, profile, cap, ShadowConfig(), None)
+    runs = {choice_label(c): fixed.get(workload, profile, cap, c) for c in config.choices}
+    best_label = max(runs, key=lambda c: runs[c]["flops_saved"])  # max keeps the first of equals
+    tuned = replay(workload, build_policy("marconi", profile, cap, tuning=config), profile, cap, progress=False)
+    started = time.perf_counter()  # a fixed-choice replay in the same process, right after: the cost baseline
+    replay(workload, HybridRadixPolicy("lru", profile, cap, eviction_for("lru")), profile, cap, progress=False)
+    lru_wall = time.perf_counter() - started
+    lru, best = runs["lru"], runs[best_label]
+    return {
+        "group": cell.group, "family": cell.family, "workload": cell.workload, "capacity_gb": cell.capacity_gb,
+        "requests": tuned.requests, "sample_rate": config.sample_rate,
+        "sglang+": lru["token_hit_rate"], "tuned": tuned.token_hit_rate, "best": best["token_hit_rate"],
+        "best_choice": best_label, "flops_tuned": tuned.flops_saved, "flops_sglang+": lru["flops_saved"],
+        "flops_best": best["flops_saved"], "flops_total": tuned.flops_total, "choices": tuned.choices_used(), "wall_ratio": tuned.wall_seconds / lru_wall,
+        "candidates": {c: r["token_hit_rate"] for c, r in runs.items()},
+    }
+
+
+def judge(row) -> tuple[float, float, float, bool, bool]:
+    """(Δ pts vs SGLang+, FLOPs tuned/SGLang+, Δ pts vs best, never worse than LRU, within 1 of best)."""
+    d_lru = 100 * (row["tuned"] - row["sglang+"])
+    f_lru = row["flops_tuned"] / row["flops_sglang+"] if row["flops_sglang+"] else 1.0
+    d_best = 100 * (row["tuned"] - row["best"])
+    lru_ok = d_lru >= -0.5 and row["flops_tuned"] >= row["flops_sglang+"] * (1 - 1e-12)
+    return d_lru, f_lru, d_best, lru_ok, d_best >= -1.0
+
+
+SUITE_HEADER = ("| group | workload | capacity | sample rate | SGLang+ hit% | tuned hit% | best hit% (choice) "
+                "| Δ pts vs SGLang+ | FLOPs T/S | Δ pts vs best | FLOPs Δ pts vs best | choices (in order) | tuned/fixed wall "
+                "| >= LRU | best - 1 |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def suite_row(row) -> str:
+    d_lru, f_lru, d_best, lru_ok, best_ok = judge(row)
+    return (f"| {row['group']} | {row['workload']} | {row['capacity_gb']:g} GB | {row['sample_rate']:.2g} "
+            f"| {100 * row['sglang+']:.2f} | {100 * row['tuned']:.2f} | {100 * row['best']:.2f} ({row['best_choice']}) "
+            f"| {d_lru:+.2f} | {f_lru:.3f}x | {d_best:+.2f} | {100 * (row['flops_tuned'] - row['flops_best']) / row['flops_total']:+.2f} "
+            f"| {' > '.join(row['choices'])} | {row['wall_ratio']:.1f}x "
+            f"| {'yes' if lru_ok else 'NO'} | {'yes' if best_ok else 'NO'} |")
+
+
+def suite_summary(rows, label) -> list[str]:
+    """The targets' summary lines over `rows`."""
+    if not rows:
+        return [f"{label}: no cells"]
+    judged = [(judge(r), r) for r in rows]
+    name = lambda r: f"{r['workload']} @ {r['capacity_gb']:g} GB"  # noqa: E731
+    n = len(rows)
+    lru_ok = sum(j[3] for j, _ in judged)
+    worst_lru = min(judged, key=lambda jr: jr[0][0])
+    worst_flops = min(judged, key=lambda jr: jr[0][1])
+    best_ok = sum(j[4] for j, _ in judged)
+    worst_best = min(judged, key=lambda jr: jr[0][2])
+    below2 = sum(j[2] < -2.0 for j, _ in judged)
+    walls = sorted(r["wall_ratio"] for r in rows)
+    return [
+        f"{label}: tuned >= SGLang+ - 0.5 pts and FLOPs >= SGLang+'s: {lru_ok} of {n} cells "
+        f"(worst Δ {worst_lru[0][0]:+.2f} pts at {name(worst_lru[1])}; worst FLOPs {worst_flops[0][1]:.4f}x at "
+        f"{name(worst_flops[1])}) [target: all]",
+        f"{label}: tuned >= best in hindsight - 1 pt: {best_ok} of {n} cells ({100 * best_ok / n:.0f}%); "
+        f"more than 2 below: {below2} (worst {worst_best[0][2]:+.2f} at {name(worst_best[1])}) [target: >= 95%, none]",
+        f"{label}: tuned/fixed wall: median {statistics.median(walls):.1f}x, max {walls[-1]:.1f}x",
+    ]
+
+
+def run_suite(groups, quick, out: Path, cache_path: Path | None) -> int:
+    profile = load_profile("paper-7b")
+    fixed = FixedCache(cache_path)
+    cells = robustness.suite(groups, quick=quick)
+    rows = []
+    print(f"\n### Robustness suite ({', '.join(groups)}{', quick' if quick else ''}; {len(cells)} cells, paper-7b)\n")
+    print(SUITE_HEADER)
+    built = None
+    for cell in cells:
+        if built is not None and built is not cell.build:
+            built.release()  # one workload in memory at a time
+        built = cell.build
+        row = suite_cell(cell, profile, fixed)
+        rows.append(row)
+        print(suite_row(row), flush=True)
+    print()
+    for group in groups:
+        for line in suite_summary([r for r in rows if r["group"] == group], group):
+            print(line)
+    (out / "suite.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nwrote {out}/suite.json")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="out/bench", type=Path)
     ap.add_argument("--quick", action="store_true", help="every other capacity, no axes")
     ap.add_argument("--only", help="comma list of sweep names (" + ",".join(SWEEP) + ",axes)")
+    ap.add_argument("--suite", choices=("dev", "held-out", "all"),
+                    help="run the robustness suite (`sim/robustness.py`) instead of the sweeps")
+    ap.add_argument("--fixed-cache", type=Path,
+                    help="keep the suite's fixed-choice replays in this JSON file between runs")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.suite:
+        groups = robustness.GROUPS if args.suite == "all" else (args.suite,)
+        return run_suite(groups, args.quick, args.out, args.fixed_cache)
     chosen = args.only.split(",") if args.only else [*SWEEP, "axes"]
     unknown = [n for n in chosen if n not in SWEEP and n != "axes"]
     if unknown:

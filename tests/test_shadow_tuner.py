@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from toy_profile import ToyProfile
 
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.shadow_tuner import (
-    LRU, ShadowConfig, ShadowTuner, adopt_choice, choice_label, eviction_for, parse_alpha_grid,
+    LRU, Evidence, ShadowConfig, ShadowTuner, adopt_choice, choice_label, eviction_for, parse_alpha_grid,
 )
 
 
@@ -80,16 +81,36 @@ def test_switches_to_flop_aware_eviction_when_it_saves_more(toy):
     assert tuner.log.decisions[-1][1] == tuner.current and tuner.log.decisions[0] == (0, LRU)
 
 
-def test_margin_keeps_the_current_choice(toy):
-    # margin and tie are shares of what the requests could save at most (`potential`): points
-    tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0,), seglen_weights=(), margin=0.03, tie=0.0))
-    tuner.potential = 1000.0
-    tuner.scores[:] = [100.0, 129.0]
-    assert tuner._decide() is None and tuner.current == LRU  # leads by 2.9 points < 3
-    tuner.scores[:] = [100.0, 131.0]
-    assert tuner._decide() == 0.0 and tuner.log.decisions[-1] == (0, 0.0)
-    tuner.scores[:] = [132.0, 131.0]  # LRU leads again, by 0.1 point: no flapping back
-    assert tuner._decide() is None
+def test_a_lead_needs_the_margin_clustered_significance_and_both_halves():
+    ev = Evidence(2, (1e9, 1e9), block=4)
+    # three sessions, four requests each: arm 1 saves 10 more per request than arm 0 in all of them
+    for session in ("a", "b", "c"):
+        for _ in range(4):
+            ev.add(session, np.array([0.0, 10.0]), 100.0)
+    gap, potential = 120.0, 1200.0
+    assert ev.scores[0].tolist() == pytest.approx([0.0, gap], rel=1e-6)
+    assert ev.potential[0] == pytest.approx(potential, rel=1e-6)
+    # clustered: one session is one observation (a block of 4 requests): var = 3 x 40^2
+    m = ev.moments[0]
+    assert m[1, 1] + m[0, 0] - 2 * m[0, 1] == pytest.approx(3 * 40.0**2, rel=1e-6)
+    assert ev.lead(1, 0, 0, margin=0.09, z=0.0, halves=False)  # 10 points > 9
+    assert not ev.lead(1, 0, 0, margin=0.11, z=0.0, halves=False)  # < 11
+    assert ev.lead(1, 0, 0, margin=0.0, z=1.7, halves=False)  # 120 / sqrt(3 x 1600) = 1.73 standard errors
+    assert not ev.lead(1, 0, 0, margin=0.0, z=1.8, halves=False)
+    # per-request noise would have called this 3.5 standard errors: clustering is what holds it back
+    assert gap / math.sqrt(12 * 10.0**2) > 3.4
+    h = ev.halves[0]
+    assert ev.lead(1, 0, 0, 0.0, 0.0) == bool(h[0, 1] > h[0, 0] and h[1, 1] > h[1, 0])
+    assert not ev.lead(0, 1, 0, 0.0, 0.0, halves=False)
+
+
+def test_one_huge_session_is_not_evidence_enough():
+    ev = Evidence(2, (1e9, 1e9), block=1000)
+    for i in range(200):  # arm 1 wins big in one session only; the other 40 are even
+        ev.add("huge", np.array([0.0, 50.0]), 100.0)
+        ev.add(f"small-{i % 40}", np.array([5.0, 5.0]), 10.0)
+    assert ev.lead(1, 0, 0, margin=0.1, z=0.0, halves=False)  # a big lead in points...
+    assert not ev.lead(1, 0, 0, margin=0.0, z=1.001, halves=False)  # ...that is one observation: one standard error
 
 
 def test_decisions_only_at_epoch_ends_and_scores_decay(toy):
@@ -101,24 +122,19 @@ def test_decisions_only_at_epoch_ends_and_scores_decay(toy):
             sampled_at_decision.append(tuner.log.sampled - tuner.log.forked_at + 1)  # the fork request scores too
     assert sampled_at_decision and all(n % 7 == 0 for n in sampled_at_decision)
     before = tuner.scores.copy()
-    tuner._score([0, 0, 0], 10)  # a request nobody hit: every score decays by 2^(-1/50)
+    tuner._score("s", [0, 0, 0], 10)  # a request nobody hit: every score decays by 2^(-1/50)
     assert np.allclose(tuner.scores, before * 0.5 ** (1 / 50))
 
 
-def test_near_ties_go_to_the_largest_alpha_and_the_test_needs_evidence(toy):
-    tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0, 2.0), seglen_weights=(), z=1.0, margin=0.0, tie=0.01))
-    tuner.potential = 100.0
-    tuner.scores[:] = [1.0, 3.0, 3.0]
+def test_near_ties_go_to_the_value_first_choices():
+    tuner = ShadowTuner(ToyProfile(), 600, ShadowConfig(alpha_grid=(0.0, 2.0), seglen_weights=(), tie=0.01))
+    tuner.evidence.potential[:] = 100.0
+    tuner.evidence.scores[0] = [1.0, 3.0, 3.0]
     assert tuner.leader() == 2
-    tuner.scores[:] = [1.0, 3.0, 2.1]  # within 1 point of the best: still ties, the larger alpha leads
+    tuner.evidence.scores[0] = [1.0, 3.0, 2.1]  # within 1 point of the best: still ties, the larger alpha leads
     assert tuner.leader() == 2
-    tuner.scores[:] = [1.0, 3.0, 1.9]
+    tuner.evidence.scores[0] = [1.0, 3.0, 1.9]
     assert tuner.leader() == 1
-    tuner.scores[:] = [1.0, 3.0, 3.0]
-    tuner._sq[2, 0] = tuner._sq[0, 2] = 9.0  # gap 2 < 1 x sqrt(9): not yet significant
-    assert tuner._decide() is None and tuner.current == LRU
-    tuner._sq[2, 0] = tuner._sq[0, 2] = 1.0
-    assert tuner._decide() == 2.0
 
 
 def test_sampling_feeds_only_sampled_sessions_at_scaled_capacity(toy):

@@ -97,14 +97,21 @@ def adopt_choice(cache: HybridPrefixCache, choice: Choice) -> None:
 class ShadowConfig:
     alpha_grid: tuple[float, ...] = DEFAULT_ALPHA_GRID
     seglen_weights: tuple[float, ...] = DEFAULT_SEGLEN_WEIGHTS  # SegLen-style candidates (may be empty)
-    lru: bool = True  # SGLang's LRU is a candidate too (and the starting choice)
+    lru: bool = True  # SGLang's LRU is a candidate too (and the starting choice: the safe one)
     objective: str = "flops"
     sample_rate: float = 1.0
     epoch: int = 4  # sampled requests between decisions
-    half_life: float = 1000.0  # sampled requests
-    margin: float = 0.005  # lead the leader needs, as a share of what the requests could save at most
-    z: float = 1.0  # and this many standard errors of the paired differences
+    half_life: float = 1000.0  # sampled requests: the long window adoptions are judged on
+    margin: float = 0.005  # lead a choice needs to be adopted, as a share of what the requests could save at most
+    z: float = 2.0  # and this many session-clustered standard errors
     tie: float = 0.01  # choices within this share (of the same) of the best score tie for the lead
+    guard_half_life: float = 250.0  # sampled requests: the short window the guard watches
+    guard_margin: float = 0.0025  # lead of the safe choice (LRU) that makes the guard revert to it
+    guard_z: float = 1.0  # and this many session-clustered standard errors
+    dwell: int = 100  # sampled requests after a switch before another one (the guard's reverts excepted)
+    persist: float = 4000.0
+    prior: str = ""  # EXPERIMENT: the label of a choice adopted at the fork
+    verify: bool = True  # at sample_rate < 1, adopt only what full-rate caches confirm (`_Verifier`)  # a lead held long enough is adopted without z: sum over epochs of (lead in points x sampled requests)
 
     def __post_init__(self):
         if not self.alpha_grid:
@@ -117,20 +124,22 @@ class ShadowConfig:
         check_rate(self.sample_rate)
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 1:
             raise MarconiError(f"epoch must be an integer >= 1 (sampled requests), got {self.epoch!r}")
-        for name in ("half_life", "margin", "z", "tie"):
+        for name in ("half_life", "margin", "z", "tie", "guard_half_life", "guard_margin", "guard_z", "dwell", "persist"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
                 raise MarconiError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not self.half_life > 0:
-            raise MarconiError(f"half_life must be > 0, got {self.half_life!r}")
+        for name in ("half_life", "guard_half_life"):
+            if not getattr(self, name) > 0:
+                raise MarconiError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
     @property
     def choices(self) -> tuple[Choice, ...]:
-        """In the order ties are broken (the last of near-equals leads): LRU, the alphas, SegLen."""
+        """LRU, the alphas, SegLen (the order scores and tables use)."""
         return ((LRU,) if self.lru else ()) + self.alpha_grid + tuple(map(seglen_choice, self.seglen_weights))
 
     @property
     def start(self) -> Choice:
+        """The safe choice: where the live cache starts and where the guard sends it back."""
         return self.choices[0]
 
 
@@ -141,6 +150,104 @@ class TunerLog:
     sampled: int = 0
     forked_at: int | None = None  # requests seen when the shared shadow forked
     seconds: float = 0.0  # time spent in observe()
+    reverts: int = 0  # times the guard sent the live cache back to the safe choice
+
+
+LONG, SHORT = 0, 1  # the two windows of `Evidence`
+
+
+class Evidence:
+    """Decayed per-arm sums of what each arm saved, over two windows (half-lives in added
+    requests), with what is needed to judge a lead beyond the requests it came from:
+
+    - session-clustered second moments: `M[w] = sum over clusters c of D_c D_c^T`, D_c a
+      cluster's decayed per-arm sums, so Var(S_a - S_b) ~ M_aa + M_bb - 2 M_ab treats a cluster
+      as one observation. A cluster is a block of `block` consecutive requests of one session:
+      a session's requests are correlated (one conversation that one arm keeps is one piece of
+      evidence, not forty), while a long session that keeps gaining block after block is
+      evidence that holds over time;
+    - the same sums split into two halves of the clusters (a salted hash): a lead must hold in
+      both, not come from a handful of sessions on one side."""
+
+    _PRUNE_EVERY = 4096
+
+    def __init__(self, k: int, half_lives: tuple[float, ...], block: int = 8):
+        """One window per half-life (math.inf: no decay)."""
+        self.k, self.block = k, block
+        self.decay = np.array([0.5 ** (1.0 / h) for h in half_lives])
+        w = len(half_lives)
+        self.scores = np.zeros((w, k))
+        self.potential = np.zeros(w)
+        self.moments = np.zeros((w, k, k))
+        self.halves = np.zeros((w, 2, k))
+        self.sessions: dict[str, tuple[np.ndarray, int, int, int]] = {}  # key -> (D (2, k), t, half, requests)
+        self.t = 0
+
+    def add(self, session_key: str, gains: np.ndarray, whole: float) -> None:
+        self.t += 1
+        d = self.decay
+        self.scores *= d[:, None]
+        self.scores += gains
+        self.potential = self.potential * d + whole
+        entry = self.sessions.get(session_key)
+        n = 0 if entry is None else entry[3]
+        if n % self.block == 0:  # a new cluster: the session's next block of requests
+            half = int(session_in_sample(f"{session_key}\0{n // self.block}", 0.5, salt=1))
+            prior = None
+        else:
+            stored, t_s, half, _ = entry
+            prior = stored * (d ** (self.t - t_s))[:, None]  # the cluster's sums, decayed to now
+        self.moments *= (d * d)[:, None, None]
+        gg = np.outer(gains, gains)
+        self.moments += gg
+        if prior is not None:
+            cross = prior[:, :, None] * gains[None, None, :]
+            self.moments += cross + cross.transpose(0, 2, 1)
+            total = prior + gains
+        else:
+            total = np.broadcast_to(gains, self.scores.shape).copy()
+        self.halves *= d[:, None, None]
+        self.halves[:, half] += gains
+        self.sessions[session_key] = (total, self.t, half, n + 1)
+        if self.t % self._PRUNE_EVERY == 0:
+            self._prune()
+
+    def _prune(self) -> None:
+        # a session idle for ~13 long half-lives weighs < 1e-4 of its prime: forget it (its share of
+        # `moments` stays, decaying; were it to come back it would start from zero)
+        if self.decay[LONG] >= 1.0:
+            return
+        horizon = math.log(1e-4) / math.log(self.decay[LONG])
+        self.sessions = {s: e for s, e in self.sessions.items() if self.t - e[1] < horizon}
+
+    def select(self, arms: Sequence[int]) -> Evidence:
+        """The same evidence restricted to `arms` (in that order)."""
+        idx = np.asarray(arms)
+        out = Evidence.__new__(Evidence)
+        out.k, out.block, out.decay, out.t = len(idx), self.block, self.decay, self.t
+        out.scores, out.potential = self.scores[:, idx].copy(), self.potential.copy()
+        out.moments = self.moments[:, idx][:, :, idx].copy()
+        out.halves = self.halves[:, :, idx].copy()
+        out.sessions = {s: (d[:, idx].copy(), t, h, n) for s, (d, t, h, n) in self.sessions.items()}
+        return out
+
+    def lead(self, a: int, b: int, window: int, margin: float, z: float, halves: bool = True) -> bool:
+        """Whether arm `a` leads arm `b` in `window` by more than `margin` x potential, by more than
+        `z` clustered standard errors, and (`halves`) in both halves of the clusters."""
+        gap = self.scores[window, a] - self.scores[window, b]
+        if gap <= margin * self.potential[window]:
+            return False
+        m = self.moments[window]
+        if gap <= z * math.sqrt(max(m[a, a] + m[b, b] - 2 * m[a, b], 0.0)):
+            return False
+        h = self.halves[window]
+        return not halves or bool(h[0, a] > h[0, b] and h[1, a] > h[1, b])
+
+    def lower_bound(self, a: int, b: int, window: int, z: float) -> float:
+        """The lead of `a` over `b` less `z` clustered standard errors (what ranks candidates)."""
+        m = self.moments[window]
+        se = math.sqrt(max(m[a, a] + m[b, b] - 2 * m[a, b], 0.0))
+        return float(self.scores[window, a] - self.scores[window, b] - z * se)
 
 
 class ShadowTuner:
@@ -165,29 +272,51 @@ class ShadowTuner:
             profile, shadow_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=shadow_slots)
         self.shadows: list[HybridPrefixCache] = []
         self.current = config.start
-        k = len(self.choices)
-        self.scores = np.zeros(k)
-        self.potential = 0.0  # decayed sum of what the sampled requests could save at most (whole inputs)
-        self._sq = np.zeros((k, k))  # decayed squared paired differences (variance of score gaps)
-        self._decay = 0.5 ** (1.0 / config.half_life)
+        self.evidence = Evidence(len(self.choices), (config.half_life, config.guard_half_life))
+        self.since = Evidence(len(self.choices), (math.inf,))  # since the last switch: what the guard judges
+        self.strikes = np.zeros(len(self.choices))  # reverts away from each choice: each raises its bar
         self._since_decision = 0
+        self._since_switch = config.dwell  # sampled requests since the last switch
+        self._held = np.zeros(len(self.choices))  # each one's lead over the current one, points x sampled requests
+        self._flops: dict[int, float] = {0: 0.0}
         self.log = TunerLog(decisions=[(0, self.current)])
+        self._fed = 0  # observe() calls: equal to log.requests while the caller feeds every request
+        self.verifier = _Verifier(self, capacity_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size,
+                                  state_slots=state_slots) if rate < 1 and config.verify else None
+
+    @property
+    def scores(self) -> np.ndarray:
+        """Each candidate's decayed score over the long window (FLOPs saved or hit tokens)."""
+        return self.evidence.scores[LONG]
+
+    @property
+    def potential(self) -> float:
+        """The same decayed sum of what the requests could save at most (their whole inputs)."""
+        return float(self.evidence.potential[LONG])
 
     # -- the stream --------------------------------------------------------------------------
     def observe(self, session_key: str, input_tokens, output_tokens) -> Choice | None:
         """One served request. Returns the newly adopted choice, or None (no switch)."""
         self.log.requests += 1
-        if not session_in_sample(session_key, self.config.sample_rate):
+        self._fed += 1
+        sampled = session_in_sample(session_key, self.config.sample_rate)
+        if self.verifier is not None and self._fed != self.log.requests:
+            self.verifier = None  # the caller passes only sampled requests: no full-rate check is possible
+        if not sampled and self.verifier is None:
             return None
         started = time.perf_counter()
         try:
-            return self._serve_sampled(as_token_array(input_tokens), np.asarray(output_tokens, dtype=np.int64))
+            inp, out = as_token_array(input_tokens), np.asarray(output_tokens, dtype=np.int64)
+            seq = np.concatenate((inp, out)) if len(out) else inp
+            switched = self._serve_sampled(session_key, inp, seq) if sampled else None
+            if self.verifier is not None:
+                switched = self.verifier.serve(session_key, inp, seq) or switched
+            return switched
         finally:
             self.log.seconds += time.perf_counter() - started
 
-    def _serve_sampled(self, inp: np.ndarray, out: np.ndarray) -> Choice | None:
+    def _serve_sampled(self, key: str, inp: np.ndarray, seq: np.ndarray) -> Choice | None:
         self.log.sampled += 1
-        seq = np.concatenate((inp, out)) if len(out) else inp
         if self.shared is not None:
             lookup = self.shared.lookup(inp)
             try:
@@ -196,13 +325,17 @@ class ShadowTuner:
             except _ForkNow:
                 self._fork(seq, lookup.checkpoint_at)
             hits = [lookup.hit_tokens] * len(self.shadows)
+            if self.config.prior:
+                self._score(key, hits, len(inp))
+                return self._switch([choice_label(c) for c in self.choices].index(self.config.prior))
         else:
             hits = []
             for shadow in self.shadows:
                 lookup = shadow.lookup(inp)
                 shadow.admit(seq, lookup.checkpoint_at)
                 hits.append(lookup.hit_tokens)
-        self._score(hits, len(inp))
+        self._score(key, hits, len(inp))
+        self._since_switch += 1
         self._since_decision += 1
         if self._since_decision >= self.config.epoch:
             self._since_decision = 0
@@ -219,46 +352,209 @@ class ShadowTuner:
             self.shadows.append(shadow)
 
     # -- scores and decisions ----------------------------------------------------------------
-    def _score(self, hits: Sequence[int], input_len: int) -> None:
+    def _gain(self, hit: int) -> float:
+        flops = self._flops.get(hit)
+        if flops is None:
+            if len(self._flops) > 65536:
+                self._flops = {0: 0.0}
+            flops = self._flops[hit] = self.profile.prefill_flops(0, hit)
+        return flops
+
+    def _score(self, key: str, hits: Sequence[int], input_len: int) -> None:
         if self.config.objective == "flops":
-            memo: dict[int, float] = {0: 0.0}
-            gains = np.array([memo[h] if h in memo else memo.setdefault(h, self.profile.prefill_flops(0, h))
-                              for h in hits])
+            gains = np.array([self._gain(h) for h in hits])
             whole = self.profile.prefill_flops(0, input_len)
         else:
             gains, whole = np.asarray(hits, dtype=float), float(input_len)
-        d = self._decay
-        self.scores *= d
-        self.scores += gains
-        self.potential = self.potential * d + whole
-        self._sq *= d * d
-        if gains.max() != gains.min():
-            diff = gains[:, None] - gains[None, :]
-            self._sq += diff * diff
-
-    def leader(self) -> int:
-        """Index of the choice to lead: among those within `tie` of the best score, the last listed
-        (SegLen, then the largest alpha). Right after the fork the choices still behave alike, and
-        the value-first ones are those whose gains show only later."""
-        top = self.scores.max()
-        return int(np.flatnonzero(self.scores >= top - self.config.tie * self.potential)[-1])
+        self.evidence.add(key, gains, whole)
+        self.since.add(key, gains, whole)
 
     def _decide(self) -> Choice | None:
-        cur = self.choices.index(self.current)
+        """The guard first: a current choice other than the safe one (LRU) that the safe one now
+        leads (since the switch, over the short window or over the long one, by `guard_margin`,
+        `guard_z` clustered standard errors and in both halves) is abandoned, and each such
+        revert raises the bar for adopting that choice again. Then adoption of the leader (the
+        best long-window score, near-ties to the value-first choices): it must lead the current
+        choice (and the safe one) by the margin, and either significantly (over the long window,
+        by `z` clustered standard errors and in both halves, still leading over the short one)
+        or for long enough (its short-window lead in points, summed over the sampled requests of
+        an unbroken run of leads, reaches `persist`). No switch but the guard's within `dwell`
+        sampled requests of the last one."""
+        c, ev = self.config, self.evidence
+        cur, safe = self.choices.index(self.current), 0
+        if cur != safe and self.verifier is None and any(
+                e.lead(safe, cur, w, c.guard_margin, z)
+                for e, w, z in ((self.since, LONG, c.z), (ev, SHORT, c.guard_z), (ev, LONG, c.guard_z))):
+            self.strikes[cur] += 1
+            self.log.reverts += 1
+            return self._switch(safe)
+        bars = c.margin * (1.0 + self.strikes)
+        pts = 100 * (ev.scores[SHORT] - ev.scores[SHORT, cur]) / ev.potential[SHORT]
+        self._held = np.where(pts > 100 * bars, self._held + c.epoch * pts, 0.0)
         best = self.leader()
-        if best == cur:
+        if self.verifier is not None:  # the best of those the full-rate check has not just turned down
+            allowed = self.verifier.allowed()
+            if not allowed[best]:
+                scores = np.where(allowed, ev.scores[LONG], -np.inf)
+                best = int(np.argmax(scores)) if np.isfinite(scores.max()) else cur
+        if best == cur or self._since_switch < c.dwell or not self._held[best]:
             return None
-        gap = self.scores[best] - self.scores[cur]
-        c = self.config
-        if gap <= c.margin * self.potential or gap <= c.z * math.sqrt(self._sq[best, cur]):
+        bar = bars[best]
+        significant = ev.lead(best, cur, LONG, bar, c.z)
+        if not (significant or (self._held[best] >= c.persist and ev.lead(best, cur, LONG, 0.0, 0.0, False))):
             return None
-        self.current = self.choices[best]
+        if best != safe and cur != safe and not ev.lead(best, safe, SHORT, bar, 0.0, False):
+            return None
+        if self.verifier is not None:  # a sample proposes; full-rate caches decide
+            self._held[best] = 0
+            self.verifier.propose(best)
+            return None
+        return self._switch(best)
+
+    def leader(self) -> int:
+        """Index of the choice that leads the long window: among those within `tie` x potential
+        of the best score, the last listed (SegLen, then the largest alpha). Right after the fork
+        the choices still behave alike, and the value-first ones are those whose gains show only
+        later; the guard sends the live cache back to LRU if that bet turns out wrong."""
+        scores = self.evidence.scores[LONG]
+        top = scores.max()
+        return int(np.flatnonzero(scores >= top - self.config.tie * self.evidence.potential[LONG])[-1])
+
+    def _switch(self, index: int) -> Choice:
+        self._since_switch = 0
+        self._held[:] = 0
+        self.since = Evidence(len(self.choices), (math.inf,))
+        self.current = self.choices[index]
         self.log.decisions.append((self.log.requests, self.current))
         return self.current
 
     def score_table(self) -> dict[str, float]:
         """Each candidate's decayed score (FLOPs saved or hit tokens), by choice label."""
         return {choice_label(c): float(s) for c, s in zip(self.choices, self.scores)}
+
+
+class _Verifier:
+    """Evidence beyond the sample (sample rate < 1, every request fed): full-rate caches that
+    check what the sampled shadows propose before the live cache adopts it.
+
+    - An anchor: the safe choice (LRU) over every request at the live capacity, from the start.
+    - A trial: when the sampled shadows propose a choice, a full-rate cache forked from the anchor
+      (or from the mirror, if the live cache is not on the safe choice) runs it from then on. It
+      is adopted only if, after `half_life` requests at least (more for a struck choice: value-first
+      evictions started from a recency-shaped cache often gain at first and lose once their
+      long prefixes have piled up), it beats the cache it was forked from, and the anchor, by the
+      tuner's own rule (margin and clustered significance, or a lead held long enough); it is
+      dropped (and the proposal struck, raising its bar and its patience) if either leads it or it
+      has not qualified within three times that.
+    - A mirror: the adopted trial goes on as the live cache's stand-in; the guard compares it with
+      the anchor (the exact "what if we had stayed on LRU") and reverts the live cache to the safe
+      choice when the anchor leads.
+    Its Evidence windows count every request (not sampled requests)."""
+
+    def __init__(self, tuner: ShadowTuner, capacity_bytes: int, *, checkpoint_grid: int, page_size: int, state_slots):
+        self.tuner = tuner
+        self._kw = dict(checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=state_slots)
+        self.capacity_bytes = capacity_bytes
+        safe = tuner.config.start
+        self.arms: list[tuple[int, HybridPrefixCache]] = [
+            (0, HybridPrefixCache(tuner.profile, capacity_bytes, eviction_for(safe), **self._kw))]
+        self.mirror: int | None = None  # index in arms of the live cache's stand-in
+        self.trial: int | None = None
+        self.evidence: Evidence | None = None  # over the arms, since the oldest of them but the anchor started
+        self.trial_started = 0
+        self._since_decision = 0
+        self._held = 0.0
+        self._blocked_until = np.zeros(len(tuner.choices))  # a turned-down proposal waits (requests)
+
+    def allowed(self) -> np.ndarray:
+        return self._blocked_until <= self.tuner.log.requests
+
+    def propose(self, choice: int) -> None:
+        if self.trial is not None or choice == self.tuner.choices.index(self.tuner.current):
+            return
+        parent = self.arms[self.mirror if self.mirror is not None else 0][1]
+        eviction = eviction_for(self.tuner.choices[choice])
+        cache = HybridPrefixCache.from_snapshot(self.tuner.profile, parent.snapshot(), eviction)
+        self.arms.append((choice, cache))
+        self.trial = len(self.arms) - 1
+        self.trial_started = self.tuner.log.requests
+        self._held = 0.0
+        k = len(self.arms)
+        c = self.tuner.config
+        if self.evidence is None:
+            self.evidence = Evidence(k, (c.half_life, c.guard_half_life))
+        else:  # keep the mirror's evidence, add the trial's from zero
+            fresh = Evidence(k, (c.half_life, c.guard_half_life))
+            old = self.evidence
+            fresh.scores[:, : k - 1], fresh.potential = old.scores, old.potential
+            fresh.moments[:, : k - 1, : k - 1], fresh.halves[:, :, : k - 1] = old.moments, old.halves
+            fresh.t = old.t
+            for s, (d, t, h, n) in old.sessions.items():
+                fresh.sessions[s] = (np.concatenate((d, np.zeros((d.shape[0], 1))), axis=1), t, h, n)
+            self.evidence = fresh
+            self._trial_base = old.scores.copy()
+
+    def serve(self, key: str, inp: np.ndarray, seq: np.ndarray) -> Choice | None:
+        hits = []
+        for _, cache in self.arms:
+            lookup = cache.lookup(inp)
+            cache.admit(seq, lookup.checkpoint_at)
+            hits.append(lookup.hit_tokens)
+        if self.evidence is None:
+            return None
+        tuner = self.tuner
+        if tuner.config.objective == "flops":
+            gains = np.array([tuner._gain(h) for h in hits])
+            whole = tuner.profile.prefill_flops(0, len(inp))
+        else:
+            gains, whole = np.asarray(hits, dtype=float), float(len(inp))
+        self.evidence.add(key, gains, whole)
+        self._since_decision += 1
+        if self._since_decision < tuner.config.epoch:
+            return None
+        self._since_decision = 0
+        return self._decide()
+
+    def _decide(self) -> Choice | None:
+        c, ev, tuner = self.tuner.config, self.evidence, self.tuner
+        live = self.mirror
+        if live is not None and any(ev.lead(0, live, w, c.guard_margin, c.guard_z) for w in (SHORT, LONG)):
+            choice = self.arms[live][0]
+            tuner.strikes[choice] += 1
+            self._blocked_until[choice] = tuner.log.requests + 2 * c.half_life * tuner.strikes[choice]
+            tuner.log.reverts += 1
+            self._keep([0])
+            return tuner._switch(0)
+        if self.trial is None:
+            return None
+        t, parent = self.trial, (live if live is not None else 0)
+        choice = self.arms[t][0]
+        age = tuner.log.requests - self.trial_started
+        patience = c.half_life * (1.0 + tuner.strikes[choice])  # a fresh lead is often transient: wait it out
+        if ev.lead(0, t, SHORT, c.guard_margin, c.guard_z) or ev.lead(parent, t, SHORT, c.guard_margin, c.guard_z) \
+                or age > 3 * patience:
+            tuner.strikes[choice] += 1
+            self._blocked_until[choice] = tuner.log.requests + 2 * c.half_life * tuner.strikes[choice]
+            self._keep([i for i in range(len(self.arms)) if i != t])
+            return None
+        if age < patience:
+            return None
+        bar = c.margin * (1.0 + tuner.strikes[choice])
+        pts = 100 * min((ev.scores[SHORT, t] - ev.scores[SHORT, p]) / ev.potential[SHORT] for p in {0, parent})
+        self._held = self._held + c.epoch * pts if pts > 100 * bar else 0.0
+        leads = all(ev.lead(t, p, LONG, bar, c.z) for p in {0, parent})
+        if not (leads or (self._held >= c.persist and all(ev.lead(t, p, LONG, 0.0, 0.0, False) for p in {0, parent}))):
+            return None
+        self._keep([0, t])
+        self.mirror = 1
+        return tuner._switch(choice)
+
+    def _keep(self, arms: list[int]) -> None:
+        """Keep only these arms (the anchor first); their evidence goes on."""
+        self.arms = [self.arms[i] for i in arms]
+        self.evidence = self.evidence.select(arms) if len(arms) > 1 else None
+        self.trial = None
+        self.mirror = 1 if len(arms) > 1 and self.mirror is not None and arms[1] == self.mirror else None
 
 
 class _ForkNow(Exception):

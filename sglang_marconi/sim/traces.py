@@ -165,6 +165,15 @@ class MooncakeTrace(Workload):
     def __iter__(self) -> Iterator[Request]:
         return self.scaled(BLOCK)
 
+    def subset(self, keep, name: str) -> MooncakeTrace:
+        """The requests that `keep(index in arrival order, session)` accepts, as a trace of their
+        own named `name`: tokens are rebuilt from its requests only (a turn whose predecessor
+        was left out does not continue it)."""
+        records = [r for i, (r, s) in enumerate(zip(self._records, self._sessions)) if keep(i, s)]
+        sub = MooncakeTrace(self.path, records, self.tokens)
+        sub.name = name
+        return sub
+
     def scaled(self, block_tokens: int, limit: int | None = None) -> Iterator[Request]:
         """The requests (the first `limit`) with each 512-token hash block mapped to
         `block_tokens` tokens: input and output lengths scaled by block_tokens/512 (input: ceil, so

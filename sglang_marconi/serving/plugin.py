@@ -20,7 +20,11 @@ runtime and no tuner process, logs one warning naming the flag, and `/server_inf
 - `--enable-unified-cache-external-linker`: offload on eviction (SGLang already refuses it with
   any `--radix-cache-backend`; kept here in case that check moves);
 - `--radix-eviction-policy` other than `lru`: an explicit choice of upstream's victim order,
-  which Marconi's own eviction would override.
+  which Marconi's own eviction would override;
+- `--enable-unified-memory`: full KV and Mamba states share one byte buffer, while the shadow
+  tuner and the admission's slot reservation model two separate pools (one budget is future work);
+- `--speculative-algorithm` EAGLE / NEXTN (`params.is_eagle`): bigram tree keys and draft Mamba
+  states, against which admission and the eviction index have not been verified.
 Each is read where SGLang's factory reads it (`ctx.enable_hierarchical_cache`,
 `ctx.params.enable_session_radix_cache`, `ctx.params.eviction_policy`, `get_memory()`).
 """
@@ -94,6 +98,13 @@ def upstream_only_flags(ctx) -> list[str]:
     if getattr(ctx.params, "enable_session_radix_cache", False):
         flags.append("--enable-session-radix-cache")
     flags += [flag for flag, name in _MEMORY_FLAGS if _memory_flag(ctx, name)]
+    if _memory_flag(ctx, "enable_unified_memory"):
+        # One byte buffer for KV and Mamba states: the shadow tuner models two separate pools.
+        flags.append("--enable-unified-memory")
+    if getattr(ctx.params, "is_eagle", False):
+        # EAGLE / NEXTN key the tree by bigrams and track draft Mamba states: admission and the
+        # eviction index are not verified there (no CPU build to test them on).
+        flags.append("--speculative-algorithm EAGLE/NEXTN")
     policy = (getattr(ctx.params, "eviction_policy", None) or "lru").lower()
     if policy != "lru":
         flags.append(f"--radix-eviction-policy {policy}")

@@ -127,11 +127,15 @@ def state_entry(cache):
      lambda cache: type(cache.tree_core.eviction_strategy).__name__ == "LFUStrategy"),
     (dict(radix_eviction_policy="fifo"), "--radix-eviction-policy fifo",
      lambda cache: type(cache.tree_core.eviction_strategy).__name__ == "FIFOStrategy"),
+    (dict(enable_unified_memory=True), "--enable-unified-memory", lambda cache: True),
+    (dict(is_eagle=True), "--speculative-algorithm", lambda cache: True),
 ])
 def test_flag_marconi_cannot_act_with_gets_upstreams_cache(caplog, server_args, flag, check):
     import multiprocessing
 
+    eagle = server_args.pop("is_eagle", False)
     ctx, params = hybrid_context(**server_args)
+    params.is_eagle = eagle  # kv_cache_builder: spec_algorithm.is_eagle() (NEXTN is EAGLE there)
     children = set(multiprocessing.active_children())
     with caplog.at_level(logging.WARNING, logger="sglang_marconi"):
         cache = marconi_radix_cache_factory(ctx)

@@ -83,10 +83,28 @@ def admission_mixin():
 
         def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
             result = super().finalize_match_result_in_tree_core(result, params, value_chunks, best_value_len)
-            page = self.cache.page_size
-            exact = result.full_kv_hit_length // page * page
-            boundary = result.device_prefix_len + result.host_hit_length
-            return result._replace(mamba_branching_seqlen=exact if exact > boundary else None)
+            if self._admission_faulted():
+                return result  # upstream's branch (floored to its checkpoint grid)
+            try:
+                page = self.cache.page_size
+                exact = result.full_kv_hit_length // page * page
+                boundary = result.device_prefix_len + result.host_hit_length
+                return result._replace(mamba_branching_seqlen=exact if exact > boundary else None)
+            except Exception as exc:
+                self._admission_fault("branch position at match", exc)
+                return result
+
+        def _admission_faulted(self) -> bool:
+            settings = getattr(self, "_marconi_settings", None)
+            return settings is not None and getattr(settings, "faulted", None) is not None
+
+        def _admission_fault(self, where: str, exc: Exception) -> None:
+            """Fault guard: one warning, and upstream's admission from now on (the group follows at
+            the next sync point); without Marconi's settings there is nothing to fall back with."""
+            settings = getattr(self, "_marconi_settings", None)
+            if settings is None:
+                raise exc
+            settings.fault(f"admission ({where})", exc)
 
         def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
             counters = self.__dict__.setdefault("marconi_admission_counters", AdmissionCounters())
@@ -96,8 +114,15 @@ def admission_mixin():
                     counters.final_states_admitted += 1
                 return cache_len
             extra_buffer = self.cache.enable_mamba_extra_buffer
-            position = req.kv.mamba_last_track_seqlen if extra_buffer else token_ids_len
-            if not self._marconi_admits(req, position, token_ids_len):
+            if self._admission_faulted():
+                return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+            try:
+                position = req.kv.mamba_last_track_seqlen if extra_buffer else token_ids_len
+                admits = self._marconi_admits(req, position, token_ids_len)
+            except Exception as exc:
+                self._admission_fault("checkpoint", exc)
+                return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+            if not admits:
                 counters.checkpoints_declined += 1
                 self.__dict__.setdefault("_marconi_declined", set()).add(req.rid)
                 return 0

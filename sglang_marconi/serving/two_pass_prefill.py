@@ -44,6 +44,7 @@ Counters live on the tree cache, `tree_cache.marconi_two_pass_counters`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import pkgutil
 from dataclasses import dataclass
@@ -191,7 +192,38 @@ def _track_around(original, batch, req, *args, **kwargs):
         req.mamba_branching_seqlen = branch
 
 
-_HOOKS = ((SELECT_TARGET, _select_around), (CHUNKED_TARGET, _add_chunked_around), (TRACK_TARGET, _track_around))
+def _guarded(hook, where: str):
+    """`hook` with the fault guard: an exception in Marconi's part of it costs one warning
+    (`MarconiEvictionSettings.fault`: the cache falls back to upstream, the group follows at the
+    next sync point) and the call goes on as upstream's; upstream's own exceptions propagate."""
+
+    @functools.wraps(hook)
+    def run(original, owner, req, *args, **kwargs):
+        settings = getattr(owner.tree_cache, "marconi_settings", None)
+        if settings is not None and getattr(settings, "faulted", None) is not None:
+            return original(owner, req, *args, **kwargs)
+        upstream = {}
+
+        def call_original(*a, **k):
+            upstream["called"] = True
+            result = original(*a, **k)  # an exception here is upstream's: it propagates
+            upstream["result"] = result
+            return result
+
+        try:
+            return hook(call_original, owner, req, *args, **kwargs)
+        except Exception as exc:
+            if settings is None or (upstream.get("called") and "result" not in upstream):
+                raise  # upstream's own exception, or no Marconi cache to fall back with
+            settings.fault(where, exc)
+            return upstream["result"] if "result" in upstream else original(owner, req, *args, **kwargs)
+
+    return run
+
+
+_HOOKS = ((SELECT_TARGET, _guarded(_select_around, "two-pass prefill (new request)")),
+          (CHUNKED_TARGET, _guarded(_add_chunked_around, "two-pass prefill (chunked request)")),
+          (TRACK_TARGET, _guarded(_track_around, "branch snapshot tracking")))
 _originals: dict[str, object] = {}
 
 

@@ -370,3 +370,53 @@ def test_split_counts_reach_the_metrics():
     figures = runtime.metrics(cc.cache)
     assert (figures["marconi_two_pass_splits"], figures["marconi_two_pass_skipped"]) == (1, 0)
     assert figures["marconi_two_pass_deferred"] == 0
+
+
+@pytest.mark.parametrize("target", ["_cut", "chunk_end_for_branch"])
+def test_a_fault_in_two_pass_prefill_costs_a_warning_and_the_round_goes_on_as_upstreams(monkeypatch, caplog, target):
+    """An exception in Marconi's part of the prefill hooks: one warning, the settings faulted, the
+    admission SGLang chose is used unchanged, and later rounds run upstream's code."""
+    import logging
+
+    import sglang_marconi.serving.two_pass_prefill as tpp
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"injected into {target}")
+
+    cc = marconi()
+    s = Scheduler(cc)
+    s.submit(SYSTEM + list(range(5000, 5200)))
+    s.drain()
+    monkeypatch.setattr(tpp, target, broken)
+    with caplog.at_level(logging.WARNING, logger="sglang_marconi"):
+        req = s.submit(SYSTEM + list(range(6000, 6200)))
+        s.drain()
+        for i in range(3):
+            s.submit(SYSTEM + list(range(7000 + 300 * i, 7100 + 300 * i)))
+            s.drain()
+    assert cc.settings.faulted is not None and target in cc.settings.faulted
+    assert len([r for r in caplog.records if "Marconi fault" in r.getMessage()]) == 1
+    assert req.finished() and two_pass(cc).splits == 0  # not split: upstream's single extend
+    cc.check_no_leak()
+
+
+def test_a_fault_in_admission_falls_back_to_upstreams_checkpoints(monkeypatch, caplog):
+    import logging
+
+    cc = marconi()
+    s = Scheduler(cc, chunked_prefill_size=256)
+    component = cc.cache.components[MAMBA]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected into _marconi_admits")
+
+    monkeypatch.setattr(type(component), "_marconi_admits", broken)
+    with caplog.at_level(logging.WARNING, logger="sglang_marconi"):
+        for i in range(3):
+            s.submit(SYSTEM + list(range(5000 + 300 * i, 5200 + 300 * i)))
+            s.drain()
+    assert cc.settings.faulted is not None and "admission" in cc.settings.faulted
+    assert len([r for r in caplog.records if "Marconi fault" in r.getMessage()]) == 1
+    # Upstream's admission keeps a state per prefill chunk (on its 64-token grid), Marconi's never does.
+    assert len(state_depths(cc)) > 3
+    cc.check_no_leak()

@@ -11,15 +11,33 @@ shadow cache per candidate choice, all kept running on the same sample of sessio
 - Candidates: SGLang's LRU, FLOP-aware eviction at each alpha of the grid (alpha = 0 is its own
   choice: LRU over Marconi's candidates, refreshing only the node hit), and SegLen-style eviction
   at each of its weights (`eviction/seglen.py`).
-- Scores: per candidate, an exponentially decayed sum (half-life `half_life` sampled requests)
-  of what its shadow saved on each sampled request: prefill FLOPs (`objective="flops"`) or hit
-  tokens. Sums start at the fork (before it all candidates score the same). `potential` is the
-  same decayed sum of what the requests could save at most (their whole inputs).
-- Decisions: every `epoch` sampled requests after the fork, the leader (the last listed among the
-  choices within `tie` x potential of the best) replaces the current choice only if it leads it by
-  more than `margin` x potential (points, as the targets are) *and* by more than `z` standard
-  errors of the decayed per-request differences (a paired test, so a few lucky hits early on do
-  not make the live cache flap).
+- Evidence (`Evidence`): per candidate, exponentially decayed sums of what its shadow saved on
+  each sampled request (prefill FLOPs, `objective="flops"`, or hit tokens) over a long window
+  (`half_life` sampled requests) and a short one (`guard_half_life`), from the fork on, beside
+  the same sums of what the requests could save at most (`potential`: margins are points, as
+  the targets are). A lead is judged with session-clustered standard errors (a block of 8
+  requests of one session is one observation: one conversation one shadow keeps is not forty
+  pieces of evidence) and must hold in both halves of the clusters (a salted hash).
+- The rule (`_decide`, every `epoch` sampled requests): first the guard, then adoption.
+  Guard: a current choice other than the safe one (LRU, the start) is abandoned as soon as LRU
+  leads it (since the switch, over the short window or the long one; `guard_margin`,
+  `guard_z`); each revert raises that choice's bar (margin x (1 + reverts)). Adoption: the
+  leader (best long-window score; near-ties, within `tie`, to the value-first choices) replaces
+  the current choice if it leads it (and LRU) by the margin and either significantly (`z`
+  clustered standard errors over the long window, both halves, still ahead over the short
+  one) or for long enough (its short-window lead in points summed over an unbroken run of
+  sampled requests reaches `persist`); no second switch within `dwell` sampled requests.
+- Decided at the first eviction, with a prior (`_Miniatures`): until the fork, miniature shadows
+  at `prior_scale` x the capacity run beside the shared shadow; they fill first, so when the
+  shadows fork (and no shadow hit yet tells the choices apart, while the first evictions already
+  decide what the live cache will keep) their leader, if it leads LRU by the margin, is adopted
+  at once. The guard takes it back if it turns out wrong.
+- Evidence beyond the sample (`_Verifier`, sample rate < 1 with every request fed): sampled
+  shadows only propose; a full-rate trial cache, forked from a full-rate LRU anchor, must beat
+  it (after `half_life` requests of patience: value-first evictions started from a
+  recency-shaped cache often gain at first and lose later) before the live cache adopts the
+  proposal, and the adopted trial, the live cache's stand-in, is guarded against the anchor.
+  A caller that passes only sampled requests (the server at rate < 1) gets the sampled rule.
 
 The tuner never touches the live cache: `observe()` returns the new choice when it switches and
 the caller adopts it (`adopt_choice` for the policy core's cache, the serving runtime for
@@ -110,7 +128,7 @@ class ShadowConfig:
     guard_z: float = 1.0  # and this many session-clustered standard errors
     dwell: int = 100  # sampled requests after a switch before another one (the guard's reverts excepted)
     persist: float = 4000.0
-    prior: str = ""  # EXPERIMENT: the label of a choice adopted at the fork
+    prior_scale: float = 0.5  # miniature shadows at this share of the capacity pick the choice adopted at the fork
     verify: bool = True  # at sample_rate < 1, adopt only what full-rate caches confirm (`_Verifier`)  # a lead held long enough is adopted without z: sum over epochs of (lead in points x sampled requests)
 
     def __post_init__(self):
@@ -151,6 +169,7 @@ class TunerLog:
     forked_at: int | None = None  # requests seen when the shared shadow forked
     seconds: float = 0.0  # time spent in observe()
     reverts: int = 0  # times the guard sent the live cache back to the safe choice
+    prior: Choice | None = None  # the miniatures' choice adopted at the fork, if any
 
 
 LONG, SHORT = 0, 1  # the two windows of `Evidence`
@@ -271,6 +290,16 @@ class ShadowTuner:
         self.shared: _SharedShadow | None = _SharedShadow(
             profile, shadow_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=shadow_slots)
         self.shadows: list[HybridPrefixCache] = []
+        # Miniatures: the same shadows at `prior_scale` x the capacity, from the start until the fork.
+        # They fill (and fork) first, so when the shadows fork, before any of them has a hit to
+        # tell them apart, the miniatures have already seen which eviction does better under
+        # contention: their leader is adopted at the fork (the guard reverts it if it loses).
+        self.mini: _Miniatures | None = None
+        mini_bytes = int(shadow_bytes * config.prior_scale)
+        if config.prior_scale > 0 and (mini_bytes >= 2 * profile.ssm_state_bytes or state_slots is not None):
+            mini_slots = None if shadow_slots is None else max(2, round(shadow_slots * config.prior_scale))
+            self.mini = _Miniatures(self, _SharedShadow(profile, max(1, mini_bytes), checkpoint_grid=checkpoint_grid,
+                                                        page_size=page_size, state_slots=mini_slots))
         self.current = config.start
         self.evidence = Evidence(len(self.choices), (config.half_life, config.guard_half_life))
         self.since = Evidence(len(self.choices), (math.inf,))  # since the last switch: what the guard judges
@@ -318,6 +347,8 @@ class ShadowTuner:
     def _serve_sampled(self, key: str, inp: np.ndarray, seq: np.ndarray) -> Choice | None:
         self.log.sampled += 1
         if self.shared is not None:
+            if self.mini is not None:
+                self.mini.serve(key, inp, seq)
             lookup = self.shared.lookup(inp)
             try:
                 self.shared.admit(seq, lookup.checkpoint_at)
@@ -325,9 +356,12 @@ class ShadowTuner:
             except _ForkNow:
                 self._fork(seq, lookup.checkpoint_at)
             hits = [lookup.hit_tokens] * len(self.shadows)
-            if self.config.prior:
+            mini, self.mini = self.mini, None
+            prior = None if mini is None else mini.leader()
+            if prior is not None and self.verifier is None:
                 self._score(key, hits, len(inp))
-                return self._switch([choice_label(c) for c in self.choices].index(self.config.prior))
+                self.log.prior = self.choices[prior]
+                return self._switch(prior)
         else:
             hits = []
             for shadow in self.shadows:
@@ -345,11 +379,7 @@ class ShadowTuner:
     def _fork(self, seq: np.ndarray, checkpoint_at: int | None) -> None:
         shared, self.shared = self.shared, None
         self.log.forked_at = self.log.requests
-        for choice in self.choices:
-            eviction = eviction_for(choice)
-            shadow = HybridPrefixCache.from_snapshot(self.profile, shared.snapshot_as(eviction), eviction)
-            shadow.admit(seq, checkpoint_at)
-            self.shadows.append(shadow)
+        self.shadows = fork_shadows(self.profile, shared, self.choices, seq, checkpoint_at)
 
     # -- scores and decisions ----------------------------------------------------------------
     def _gain(self, hit: int) -> float:
@@ -555,6 +585,61 @@ class _Verifier:
         self.evidence = self.evidence.select(arms) if len(arms) > 1 else None
         self.trial = None
         self.mirror = 1 if len(arms) > 1 and self.mirror is not None and arms[1] == self.mirror else None
+
+
+def fork_shadows(profile, shared: _SharedShadow, choices, seq: np.ndarray, checkpoint_at: int | None):
+    """One cache per choice from the shared shadow's contents, each with its own recency, the
+    request that made the shared shadow fork admitted."""
+    shadows = []
+    for choice in choices:
+        eviction = eviction_for(choice)
+        shadow = HybridPrefixCache.from_snapshot(profile, shared.snapshot_as(eviction), eviction)
+        shadow.admit(seq, checkpoint_at)
+        shadows.append(shadow)
+    return shadows
+
+
+class _Miniatures:
+    """The shadows at a fraction of their capacity, until the shadows fork (`ShadowTuner.mini`)."""
+
+    def __init__(self, tuner: ShadowTuner, shared: _SharedShadow):
+        self.tuner, self.shared = tuner, shared
+        self.shadows: list[HybridPrefixCache] = []
+        c = tuner.config
+        self.evidence = Evidence(len(tuner.choices), (c.half_life, c.guard_half_life))
+
+    def serve(self, key: str, inp: np.ndarray, seq: np.ndarray) -> None:
+        if self.shared is not None:
+            lookup = self.shared.lookup(inp)
+            try:
+                self.shared.admit(seq, lookup.checkpoint_at)
+                return
+            except _ForkNow:
+                shared, self.shared = self.shared, None
+                self.shadows = fork_shadows(self.tuner.profile, shared, self.tuner.choices, seq, lookup.checkpoint_at)
+            hits = [lookup.hit_tokens] * len(self.shadows)
+        else:
+            hits = []
+            for shadow in self.shadows:
+                lookup = shadow.lookup(inp)
+                shadow.admit(seq, lookup.checkpoint_at)
+                hits.append(lookup.hit_tokens)
+        tuner = self.tuner
+        if tuner.config.objective == "flops":
+            gains, whole = np.array([tuner._gain(h) for h in hits]), tuner.profile.prefill_flops(0, len(inp))
+        else:
+            gains, whole = np.asarray(hits, dtype=float), float(len(inp))
+        self.evidence.add(key, gains, whole)
+
+    def leader(self) -> int | None:
+        """The miniatures' leader (near-ties to the value-first choices) if it leads the safe choice
+        by the margin over everything they saw since they forked; else None."""
+        ev, c = self.evidence, self.tuner.config
+        if not self.shadows or not ev.potential[LONG]:
+            return None
+        scores = ev.scores[LONG]
+        best = int(np.flatnonzero(scores >= scores.max() - c.tie * ev.potential[LONG])[-1])
+        return best if best != 0 and ev.lead(best, 0, LONG, c.margin, 0.0, False) else None
 
 
 class _ForkNow(Exception):

@@ -158,6 +158,7 @@ SYNTHETIC_CAPACITIES = {"swe-agent": (5, 10, 20), "lmsys": (5, 10, 20), "sharegp
 ADVERSARIAL_CAPACITIES = {"huge-sessions": (2, 5, 10), "shift-halfway": (5, 10, 20),
                           "misleading-sample": (60, 150, 300)}
 MOONCAKE_CAPACITIES = (100, 400, 1000)
+SLICE_CAPACITIES = (50, 100, 400, 1000)  # a slice at 50 GB is tuned at sample rate 1
 SEEDS = {"dev": (1, 2, 3, 4, 5), "held-out": (11, 12, 13, 14, 15)}
 ADVERSARIAL_SEEDS = {"dev": (1,), "held-out": (2, 3)}
 HALF_SALTS = {"dev": (1,), "held-out": (2,)}
@@ -184,7 +185,7 @@ def suite(groups=GROUPS, *, mooncake_path: Path = MOONCAKE, quick: bool = False)
                                  MOONCAKE_CAPACITIES))
             for start in SLICE_STARTS[group][: 1 if quick else None]:
                 fams.append(("mooncake-slice", f"mooncake[slice {start}:{start + SLICE}]",
-                             lambda s=start: mooncake_slice(mooncake(path=mooncake_path), s), MOONCAKE_CAPACITIES))
+                             lambda s=start: mooncake_slice(mooncake(path=mooncake_path), s), SLICE_CAPACITIES))
         for kind, caps in SYNTHETIC_CAPACITIES.items():
             for seed in SEEDS[group][: 1 if quick else None]:
                 spec = f"synthetic:{kind}:seed={seed}"

@@ -33,11 +33,13 @@ shadow cache per candidate choice, all kept running on the same sample of sessio
   decide what the live cache will keep) their leader, if it leads LRU by the margin, is adopted
   at once. The guard takes it back if it turns out wrong.
 - Evidence beyond the sample (`_Verifier`, sample rate < 1 with every request fed): sampled
-  shadows only propose; a full-rate trial cache, forked from a full-rate LRU anchor, must beat
-  it (after `half_life` requests of patience: value-first evictions started from a
-  recency-shaped cache often gain at first and lose later) before the live cache adopts the
-  proposal, and the adopted trial, the live cache's stand-in, is guarded against the anchor.
-  A caller that passes only sampled requests (the server at rate < 1) gets the sampled rule.
+  shadows only propose. A trial cache, forked from an LRU anchor, both fed a second, larger and
+  independent sample (`verify_rate`, another salt: by default twice the shadows' rate, at least
+  half the sessions, all of them from a rate of 0.5), must beat the anchor (after `half_life`
+  requests of patience: value-first evictions started from a recency-shaped cache often gain at
+  first and lose later) before the live cache adopts the proposal; the adopted trial, the live
+  cache's stand-in, is guarded against the anchor. A caller that passes only sampled requests
+  (the server at rate < 1) gets the sampled rule alone.
 
 The tuner never touches the live cache: `observe()` returns the new choice when it switches and
 the caller adopts it (`adopt_choice` for the policy core's cache, the serving runtime for
@@ -127,9 +129,10 @@ class ShadowConfig:
     guard_margin: float = 0.0025  # lead of the safe choice (LRU) that makes the guard revert to it
     guard_z: float = 1.0  # and this many session-clustered standard errors
     dwell: int = 100  # sampled requests after a switch before another one (the guard's reverts excepted)
-    persist: float = 4000.0
+    persist: float = 4000.0  # a lead held this long is adopted without z: its points x sampled requests, summed
     prior_scale: float = 0.5  # miniature shadows at this share of the capacity pick the choice adopted at the fork
-    verify: bool = True  # at sample_rate < 1, adopt only what full-rate caches confirm (`_Verifier`)  # a lead held long enough is adopted without z: sum over epochs of (lead in points x sampled requests)
+    verify_rate: float | None = None  # sessions the verifier's caches see (salt 1); None: min(1, max(0.5, 2 x sample_rate))
+    verify: bool = True  # at sample_rate < 1, adopt only what the verifier's larger sample confirms (`_Verifier`)
 
     def __post_init__(self):
         if not self.alpha_grid:
@@ -140,6 +143,8 @@ class ShadowConfig:
         if self.objective not in OBJECTIVES:
             raise MarconiError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         check_rate(self.sample_rate)
+        if self.verify_rate is not None:
+            check_rate(self.verify_rate)
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 1:
             raise MarconiError(f"epoch must be an integer >= 1 (sampled requests), got {self.epoch!r}")
         for name in ("half_life", "margin", "z", "tie", "guard_half_life", "guard_margin", "guard_z", "dwell", "persist"):
@@ -330,15 +335,16 @@ class ShadowTuner:
         self._fed += 1
         sampled = session_in_sample(session_key, self.config.sample_rate)
         if self.verifier is not None and self._fed != self.log.requests:
-            self.verifier = None  # the caller passes only sampled requests: no full-rate check is possible
-        if not sampled and self.verifier is None:
+            self.verifier = None  # the caller passes only sampled requests: no check beyond the sample is possible
+        verified = self.verifier is not None and self.verifier.sees(session_key)
+        if not sampled and not verified:
             return None
         started = time.perf_counter()
         try:
             inp, out = as_token_array(input_tokens), np.asarray(output_tokens, dtype=np.int64)
             seq = np.concatenate((inp, out)) if len(out) else inp
             switched = self._serve_sampled(session_key, inp, seq) if sampled else None
-            if self.verifier is not None:
+            if verified:
                 switched = self.verifier.serve(session_key, inp, seq) or switched
             return switched
         finally:
@@ -422,7 +428,7 @@ class ShadowTuner:
         pts = 100 * (ev.scores[SHORT] - ev.scores[SHORT, cur]) / ev.potential[SHORT]
         self._held = np.where(pts > 100 * bars, self._held + c.epoch * pts, 0.0)
         best = self.leader()
-        if self.verifier is not None:  # the best of those the full-rate check has not just turned down
+        if self.verifier is not None:  # the best of those the verifier has not just turned down
             allowed = self.verifier.allowed()
             if not allowed[best]:
                 scores = np.where(allowed, ev.scores[LONG], -np.inf)
@@ -435,7 +441,7 @@ class ShadowTuner:
             return None
         if best != safe and cur != safe and not ev.lead(best, safe, SHORT, bar, 0.0, False):
             return None
-        if self.verifier is not None:  # a sample proposes; full-rate caches decide
+        if self.verifier is not None:  # a sample proposes; the verifier's larger one decides
             self._held[best] = 0
             self.verifier.propose(best)
             return None
@@ -464,11 +470,13 @@ class ShadowTuner:
 
 
 class _Verifier:
-    """Evidence beyond the sample (sample rate < 1, every request fed): full-rate caches that
-    check what the sampled shadows propose before the live cache adopts it.
+    """Evidence beyond the sample (sample rate < 1, every request fed): caches over a second,
+    larger, independent sample (`rate`, salt 1; capacity scaled alike; all sessions from a
+    shadow rate of 0.5) that check what the sampled shadows propose before the live cache
+    adopts it.
 
-    - An anchor: the safe choice (LRU) over every request at the live capacity, from the start.
-    - A trial: when the sampled shadows propose a choice, a full-rate cache forked from the anchor
+    - An anchor: the safe choice (LRU) over the verifier's sample, from the start.
+    - A trial: when the sampled shadows propose a choice, a cache forked from the anchor
       (or from the mirror, if the live cache is not on the safe choice) runs it from then on. It
       is adopted only if, after `half_life` requests at least (more for a struck choice: value-first
       evictions started from a recency-shaped cache often gain at first and lose once their
@@ -479,10 +487,14 @@ class _Verifier:
     - A mirror: the adopted trial goes on as the live cache's stand-in; the guard compares it with
       the anchor (the exact "what if we had stayed on LRU") and reverts the live cache to the safe
       choice when the anchor leads.
-    Its Evidence windows count every request (not sampled requests)."""
+    Its Evidence windows count the requests of its own sample."""
 
     def __init__(self, tuner: ShadowTuner, capacity_bytes: int, *, checkpoint_grid: int, page_size: int, state_slots):
         self.tuner = tuner
+        c = tuner.config
+        self.rate = min(1.0, max(0.5, 2 * c.sample_rate)) if c.verify_rate is None else check_rate(c.verify_rate)
+        capacity_bytes = int(capacity_bytes * self.rate)
+        state_slots = None if state_slots is None else max(2, round(state_slots * self.rate))
         self._kw = dict(checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=state_slots)
         self.capacity_bytes = capacity_bytes
         safe = tuner.config.start
@@ -495,6 +507,10 @@ class _Verifier:
         self._since_decision = 0
         self._held = 0.0
         self._blocked_until = np.zeros(len(tuner.choices))  # a turned-down proposal waits (requests)
+
+    def sees(self, session_key: str) -> bool:
+        """Its own session sample: independent of the shadows' (another salt), and larger."""
+        return self.rate >= 1.0 or session_in_sample(session_key, self.rate, salt=1)
 
     def allowed(self) -> np.ndarray:
         return self._blocked_until <= self.tuner.log.requests

@@ -50,7 +50,10 @@ _LOADED: dict[tuple[str, str], MooncakeTrace] = {}
 def mooncake(tokens: str = "conversation", path: Path = MOONCAKE) -> MooncakeTrace:
     key = (str(path), tokens)
     if key not in _LOADED:
-        _LOADED[key] = load_trace(path, tokens)
+        trace = load_trace(path, tokens)
+        if tokens != "conversation":  # the name keys fixed-choice replays: one per token mode
+            trace.name = f"{trace.name}[{tokens}]"
+        _LOADED[key] = trace
     return _LOADED[key]
 
 

@@ -226,3 +226,146 @@ def test_switching_choices_mid_stream_keeps_invariants(toy_profile, reqs, capaci
     for node, _ in locked:
         cache.unlock(node)
     cache.check_invariants()
+
+
+# -- the decision rule on traffic made to mislead it ----------------------------------------------
+
+def _session_ids(inside: bool, rate: float, prefix: str):
+    """Endless session ids that the tuner's hash sample at `rate` keeps (inside) or drops."""
+    from sglang_marconi.policy.sampling import session_in_sample
+
+    i = 0
+    while True:
+        sid, i = f"{prefix}{i}", i + 1
+        if session_in_sample(sid, rate) == inside:
+            yield sid
+
+
+def misleading_sample(n, rate, seed=0):
+    """A quarter of the traffic, exactly the sessions the tuner's sample keeps, revisits a long prefix
+    among one-off requests (value-first eviction wins there); the rest, which the sample never sees,
+    are long one-shot documents and short questions on three shared prompts (recency wins)."""
+    rng = np.random.default_rng(seed)
+    inside, outside = _session_ids(True, rate, "s"), _session_ids(False, rate, "o")
+    long_prefix = np.arange(10_000, 10_120)
+    prompts = [np.arange(20_000 + 1000 * k, 20_040 + 1000 * k) for k in range(3)]
+    for i in range(n):
+        if i % 4 == 0:
+            if i % 16 == 0:
+                yield next(inside), np.concatenate((long_prefix, rng.integers(0, 50, 5))), np.array([1])
+            else:
+                yield next(inside), rng.integers(100, 10_000, size=int(rng.integers(20, 60))), np.array([3])
+        elif i % 4 == 1:
+            yield next(outside), rng.integers(10**6, 2 * 10**6, size=int(rng.integers(150, 300))), np.array([5])
+        else:
+            yield next(outside), np.concatenate((prompts[int(rng.integers(3))], rng.integers(3 * 10**6, 4 * 10**6, 8))), \
+                np.array([7])
+
+
+def live_and_lru(requests, capacity, config):
+    """Hit tokens of a live cache that adopts the tuner's choices and of SGLang's LRU, same stream."""
+    toy = ToyProfile()
+    tuner = ShadowTuner(toy, capacity, config)
+    live = HybridPrefixCache(toy, capacity, eviction_for(tuner.current))
+    lru = HybridPrefixCache(toy, capacity, eviction_for(LRU))
+    hits = {"live": 0, "lru": 0}
+    for sid, inp, out in requests:
+        hits["live"] += live.serve(inp, out)[0].hit_tokens
+        hits["lru"] += lru.serve(inp, out)[0].hit_tokens
+        if (choice := tuner.observe(sid, inp, out)) is not None:
+            adopt_choice(live, choice)
+    return hits, tuner
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_sample_that_misleads_does_not_take_the_live_cache_below_lru(verify):
+    reqs = list(misleading_sample(2000, 0.25))
+    config = ShadowConfig(sample_rate=0.25, objective="token_hit_rate", verify=verify)
+    hits, tuner = live_and_lru(reqs, 1000, config)
+    if verify:  # proposals are checked on a second, larger, independent sample: never adopted
+        assert hits["live"] >= hits["lru"] > 0
+        assert tuner.current == LRU and tuner.strikes.sum() >= 1  # a proposal was tried and turned down
+    else:  # the sample alone is fooled (the test can fail): this is what the verifier prevents
+        assert tuner.current != LRU and hits["live"] < hits["lru"] / 2
+
+
+def test_the_verifier_steps_aside_when_the_caller_passes_only_sampled_requests(toy):
+    from sglang_marconi.policy.sampling import session_in_sample
+
+    tuner = ShadowTuner(toy, 1000, ShadowConfig(sample_rate=0.25))
+    assert tuner.verifier is not None
+    for sid, inp, out in misleading_sample(200, 0.25):
+        if session_in_sample(sid, 0.25):
+            tuner.observe(sid, inp, out)
+        else:
+            tuner.log.requests += 1  # as the server's background tuner counts a request it did not send
+    assert tuner.verifier is None and tuner.log.requests == 200
+
+
+def shift_to_recency(n_each, seed=0):
+    """contended_requests (value-first wins), then questions on shared prompts among long
+    one-shot documents (recency wins)."""
+    yield from contended_requests(n_each, seed)
+    rng = np.random.default_rng(seed + 1)
+    prompts = [np.arange(20_000 + 1000 * k, 20_040 + 1000 * k) for k in range(3)]
+    for i in range(n_each):
+        if i % 3 == 0:
+            yield f"doc-{i}", rng.integers(10**6, 2 * 10**6, size=int(rng.integers(150, 300))), np.array([5])
+        else:
+            yield f"q-{i}", np.concatenate((prompts[int(rng.integers(3))], rng.integers(3 * 10**6, 4 * 10**6, 8))), \
+                np.array([7])
+
+
+def test_the_guard_abandons_a_choice_that_starts_losing_to_lru():
+    config = ShadowConfig(alpha_grid=(0.0, 5.0), seglen_weights=(100.0,), objective="token_hit_rate")
+    hits, tuner = live_and_lru(list(shift_to_recency(800)), 500, config)
+    (_, first), (at, value_first), *later = tuner.log.decisions
+    assert first == LRU and value_first != LRU and at < 800  # value-first adopted in the first half
+    assert tuner.log.reverts >= 1 and later and later[-1][0] > 800 and tuner.current == LRU  # abandoned after
+    assert tuner.strikes[tuner.choices.index(value_first)] >= 1  # and its bar raised
+    assert hits["live"] >= hits["lru"]
+
+
+def revisits(n, every, seed=0):
+    """A 300-token prefix revisited every `every` requests (and right away once: the second visit
+    checkpoints its branch, the third hits), one-off requests of 50-100 tokens between."""
+    rng = np.random.default_rng(seed)
+    prefix = np.arange(10_000, 10_300)
+    for i in range(n):
+        if i % every == 0 or i == 1:
+            yield f"long-{i}", np.concatenate((prefix, rng.integers(0, 50, 5))), np.array([1, 2])
+        else:
+            yield f"short-{i}", rng.integers(100, 10_000, size=int(rng.integers(50, 100))), np.array([3])
+
+
+def test_miniatures_pick_the_choice_adopted_at_the_fork(toy):
+    # The miniatures (1,000 bytes) fill after ~9 requests, and by the prefix's first revisit the
+    # one-offs have pushed it out of their LRU cache but not out of FLOP-aware eviction's; the
+    # shadows (2,000 bytes) fork ~10 requests later, before any of their hits tells the choices
+    # apart, and the live cache adopts the miniatures' leader right then
+    tuner = ShadowTuner(toy, 2000, ShadowConfig(alpha_grid=(0.0, 5.0), seglen_weights=()))
+    decisions = {}
+    for sid, inp, out in revisits(200, 12):
+        if (choice := tuner.observe(sid, inp, out)) is not None:
+            decisions.setdefault("first", (tuner.log.requests, choice))
+    assert tuner.log.prior == 5.0 and decisions["first"] == (tuner.log.forked_at, 5.0)
+    # a workload where recency wins gets no prior: the live cache starts the fork on LRU
+    quiet = ShadowTuner(toy, 700, ShadowConfig(alpha_grid=(0.0, 5.0), seglen_weights=(100.0,)))
+    for i, (sid, inp, out) in enumerate(shift_to_recency(400)):
+        if i >= 400:
+            quiet.observe(sid, inp, out)
+    assert quiet.log.forked_at is not None and quiet.log.prior is None
+
+
+def test_one_session_or_one_half_is_not_enough_to_adopt(toy):
+    """A lead carried by a single long session (one block after another of it, but one half of
+    the clusters only) is not adopted on significance; spread over many sessions it is."""
+    ev = Evidence(2, (1e9, 1e9), block=4)
+    for i in range(40):
+        ev.add(f"s{i}", np.array([0.0, 10.0]), 100.0)
+    assert ev.lead(1, 0, 0, margin=0.05, z=3.0)
+    lone = Evidence(2, (1e9, 1e9), block=1000)
+    for i in range(40):
+        lone.add("one", np.array([0.0, 10.0]), 100.0)
+    assert not lone.lead(1, 0, 0, margin=0.05, z=1.5)  # one cluster: one standard error at most
+    assert not lone.lead(1, 0, 0, margin=0.05, z=0.0)  # and it lies in one half only

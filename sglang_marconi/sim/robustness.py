@@ -99,8 +99,9 @@ def one_shot_documents(count: int, seed: int, rate: float, median: int = 12_000,
 
 def huge_sessions(seed: int) -> ListWorkload:
     """Thousands of one-request sessions on shared system prompts, plus three huge agent
-    trajectories (inputs up to ~100k tokens): a session sample holds 0 to 3 of the huge ones,
-    and the few it holds dominate every per-request average."""
+    trajectories (inputs up to ~100k tokens, ~45% of the input tokens from 0.1% of the sessions):
+    what separates the choices comes from a handful of sessions, which a per-request confidence
+    would count as hundreds of independent observations."""
     crowd = generate("system-prompt", seed=seed, sessions=3000, session_rate=5.0)
     giants = generate("swe-agent", seed=seed + 1000, sessions=3, session_rate=0.01, turn_gap_s=10.0, scale=1.6)
     return merge(f"adversarial:huge-sessions:seed={seed}", [("crowd", crowd, 0.0), ("giant", giants, 0.0)])
@@ -121,9 +122,9 @@ def shift_halfway(seed: int) -> ListWorkload:
 
 def misleading_sample(seed: int, rate: float = 0.2) -> ListWorkload:
     """A trace whose sessions in the tuner's hash sample (salt 0, below `rate`) are multi-turn
-    chats, where value-first eviction wins, while all the others, most of the traffic, are
+    chats, where value-first eviction wins, while all the others (six sessions in seven) are
     single questions on shared prompts and long one-shot documents, where recency wins: a
-    sampled shadow sees a workload the live cache mostly does not serve."""
+    sampled shadow sees a workload that is only part of what the live cache serves."""
     chat = generate("lmsys", seed=seed, sessions=600, session_rate=1.0)
     span = max(r.arrival_s for r in chat)
     crowd = generate("system-prompt", seed=seed + 1, sessions=3000, session_rate=3000 / span)

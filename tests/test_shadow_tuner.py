@@ -369,3 +369,22 @@ def test_one_session_or_one_half_is_not_enough_to_adopt(toy):
         lone.add("one", np.array([0.0, 10.0]), 100.0)
     assert not lone.lead(1, 0, 0, margin=0.05, z=1.5)  # one cluster: one standard error at most
     assert not lone.lead(1, 0, 0, margin=0.05, z=0.0)  # and it lies in one half only
+
+
+def test_beaten_shadows_leave_the_race_and_come_back(toy):
+    config = ShadowConfig(alpha_grid=(0.0, 1.0, 5.0), seglen_weights=(1.0,), prune_after=40, revive_every=120)
+    tuner = ShadowTuner(toy, 600, config)
+    seen_dropped = set()
+    for sid, inp, out in contended_requests(400):
+        tuner.observe(sid, inp, out)
+        dropped = {i for i, s in enumerate(tuner.shadows) if s is None}
+        assert 0 not in dropped and tuner.choices.index(tuner.current) not in dropped  # LRU's and the live one's stay
+        seen_dropped |= dropped
+    assert tuner.log.pruned > 0 and seen_dropped and tuner.log.revived > 0
+    for shadow in tuner.shadows:
+        if shadow is not None:
+            shadow.check_invariants()
+    ev = Evidence(3, (1e9, 1e9))
+    ev.add("a", np.array([1.0, 2.0, 3.0]), 10.0)
+    ev.copy_arm(2, 0)
+    assert ev.scores[0].tolist() == [3.0, 2.0, 3.0] and ev.moments[0][0, 0] == ev.moments[0][2, 2] == 9.0

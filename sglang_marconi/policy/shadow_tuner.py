@@ -131,6 +131,9 @@ class ShadowConfig:
     dwell: int = 100  # sampled requests after a switch before another one (the guard's reverts excepted)
     persist: float = 4000.0  # a lead held this long is adopted without z: its points x sampled requests, summed
     prior_scale: float = 0.5  # miniature shadows at this share of the capacity pick the choice adopted at the fork
+    prune_after: int = 500  # sampled requests after the fork before a clearly beaten shadow may be dropped (0: never)
+    prune_margin: float = 0.02  # how far behind the leader (share of potential, both windows, z errors) it must be
+    revive_every: int = 4000  # sampled requests between revivals of dropped shadows (forked from the current one's)
     verify_rate: float | None = None  # sessions the verifier's caches see (salt 1); None: min(1, max(0.5, 2 x sample_rate))
     verify: bool = True  # at sample_rate < 1, adopt only what the verifier's larger sample confirms (`_Verifier`)
 
@@ -147,7 +150,8 @@ class ShadowConfig:
             check_rate(self.verify_rate)
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 1:
             raise MarconiError(f"epoch must be an integer >= 1 (sampled requests), got {self.epoch!r}")
-        for name in ("half_life", "margin", "z", "tie", "guard_half_life", "guard_margin", "guard_z", "dwell", "persist"):
+        for name in ("half_life", "margin", "z", "tie", "guard_half_life", "guard_margin", "guard_z", "dwell", "persist",
+                     "prune_after", "prune_margin", "revive_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
                 raise MarconiError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -175,6 +179,8 @@ class TunerLog:
     seconds: float = 0.0  # time spent in observe()
     reverts: int = 0  # times the guard sent the live cache back to the safe choice
     prior: Choice | None = None  # the miniatures' choice adopted at the fork, if any
+    pruned: int = 0  # shadows dropped from the race (`ShadowConfig.prune_after`)
+    revived: int = 0  # and brought back
 
 
 LONG, SHORT = 0, 1  # the two windows of `Evidence`
@@ -244,6 +250,16 @@ class Evidence:
         horizon = math.log(1e-4) / math.log(self.decay[LONG])
         self.sessions = {s: e for s, e in self.sessions.items() if self.t - e[1] < horizon}
 
+    def copy_arm(self, src: int, dst: int) -> None:
+        """Arm `dst`'s evidence becomes arm `src`'s (as if it had saved what `src` did)."""
+        self.scores[:, dst] = self.scores[:, src]
+        self.halves[:, :, dst] = self.halves[:, :, src]
+        m = self.moments
+        m[:, dst, :] = m[:, src, :]
+        m[:, :, dst] = m[:, :, src]
+        for d, _, _, _ in self.sessions.values():
+            d[:, dst] = d[:, src]
+
     def select(self, arms: Sequence[int]) -> Evidence:
         """The same evidence restricted to `arms` (in that order)."""
         idx = np.asarray(arms)
@@ -298,8 +314,11 @@ class ShadowTuner:
         # Miniatures: the same shadows at `prior_scale` x the capacity, from the start until the fork.
         # They fill (and fork) first, so when the shadows fork, before any of them has a hit to
         # tell them apart, the miniatures have already seen which eviction does better under
-        # contention: their leader is adopted at the fork (the guard reverts it if it loses).
+        # contention: their leader is adopted at the fork (the guard reverts it if it loses). They
+        # stop (their verdict kept for the fork) once they have run as long after their fork as
+        # before it: a cache that is slow to fill does not pay for seven of them all along.
         self.mini: _Miniatures | None = None
+        self._prior: int | None = None  # the miniatures' verdict, once they stopped
         mini_bytes = int(shadow_bytes * config.prior_scale)
         if config.prior_scale > 0 and (mini_bytes >= 2 * profile.ssm_state_bytes or state_slots is not None):
             mini_slots = None if shadow_slots is None else max(2, round(shadow_slots * config.prior_scale))
@@ -355,6 +374,8 @@ class ShadowTuner:
         if self.shared is not None:
             if self.mini is not None:
                 self.mini.serve(key, inp, seq)
+                if self.mini.done():
+                    self._prior, self.mini = self.mini.leader(), None
             lookup = self.shared.lookup(inp)
             try:
                 self.shared.admit(seq, lookup.checkpoint_at)
@@ -363,7 +384,7 @@ class ShadowTuner:
                 self._fork(seq, lookup.checkpoint_at)
             hits = [lookup.hit_tokens] * len(self.shadows)
             mini, self.mini = self.mini, None
-            prior = None if mini is None else mini.leader()
+            prior = self._prior if mini is None else mini.leader()
             if prior is not None and self.verifier is None:
                 self._score(key, hits, len(inp))
                 self.log.prior = self.choices[prior]
@@ -371,6 +392,9 @@ class ShadowTuner:
         else:
             hits = []
             for shadow in self.shadows:
+                if shadow is None:  # dropped: it saves nothing until it is revived
+                    hits.append(0)
+                    continue
                 lookup = shadow.lookup(inp)
                 shadow.admit(seq, lookup.checkpoint_at)
                 hits.append(lookup.hit_tokens)
@@ -385,6 +409,7 @@ class ShadowTuner:
     def _fork(self, seq: np.ndarray, checkpoint_at: int | None) -> None:
         shared, self.shared = self.shared, None
         self.log.forked_at = self.log.requests
+        self._sampled_at_fork = self._revived_at = self.log.sampled
         self.shadows = fork_shadows(self.profile, shared, self.choices, seq, checkpoint_at)
 
     # -- scores and decisions ----------------------------------------------------------------
@@ -418,6 +443,7 @@ class ShadowTuner:
         sampled requests of the last one."""
         c, ev = self.config, self.evidence
         cur, safe = self.choices.index(self.current), 0
+        self._prune_or_revive(cur)
         if cur != safe and self.verifier is None and any(
                 e.lead(safe, cur, w, c.guard_margin, z)
                 for e, w, z in ((self.since, LONG, c.z), (ev, SHORT, c.guard_z), (ev, LONG, c.guard_z))):
@@ -446,6 +472,36 @@ class ShadowTuner:
             self.verifier.propose(best)
             return None
         return self._switch(best)
+
+    def _prune_or_revive(self, cur: int) -> None:
+        """Racing: a shadow that trails the leader by `prune_margin` over both windows, by `z`
+        clustered standard errors over the long one, `prune_after` sampled requests after the fork
+        or later, is dropped (never LRU's, the current choice's or the leader's): the shadows' cost
+        goes to the choices still in the race. Every `revive_every` sampled requests the dropped
+        ones come back, forked from the current choice's shadow with its evidence so far (as if
+        they had behaved like it until now), so that a shift in the workload can bring them back."""
+        c, ev = self.config, self.evidence
+        since_fork = self.log.sampled - self._sampled_at_fork
+        if not c.prune_after or since_fork < c.prune_after:
+            return
+        dropped = [v for v, shadow in enumerate(self.shadows) if shadow is None]
+        if dropped and self.log.sampled - self._revived_at >= c.revive_every:
+            self._revived_at = self.log.sampled
+            donor = self.shadows[cur]
+            for v in dropped:
+                eviction = eviction_for(self.choices[v])
+                self.shadows[v] = HybridPrefixCache.from_snapshot(self.profile, donor.snapshot(), eviction)
+                ev.copy_arm(cur, v)
+                self.since.copy_arm(cur, v)
+            self.log.revived += len(dropped)
+            return
+        lead = self.leader()
+        for v, shadow in enumerate(self.shadows):
+            if shadow is None or v in (0, cur, lead):
+                continue
+            if ev.lead(lead, v, LONG, c.prune_margin, c.z, False) and ev.lead(lead, v, SHORT, c.prune_margin, 0.0, False):
+                self.shadows[v] = None
+                self.log.pruned += 1
 
     def leader(self) -> int:
         """Index of the choice that leads the long window: among those within `tie` x potential
@@ -621,16 +677,23 @@ class _Miniatures:
     def __init__(self, tuner: ShadowTuner, shared: _SharedShadow):
         self.tuner, self.shared = tuner, shared
         self.shadows: list[HybridPrefixCache] = []
+        self.served = 0
+        self.served_at_fork: int | None = None
         c = tuner.config
         self.evidence = Evidence(len(tuner.choices), (c.half_life, c.guard_half_life))
 
+    def done(self) -> bool:
+        return self.served_at_fork is not None and self.served >= 2 * self.served_at_fork
+
     def serve(self, key: str, inp: np.ndarray, seq: np.ndarray) -> None:
+        self.served += 1
         if self.shared is not None:
             lookup = self.shared.lookup(inp)
             try:
                 self.shared.admit(seq, lookup.checkpoint_at)
                 return
             except _ForkNow:
+                self.served_at_fork = self.served
                 shared, self.shared = self.shared, None
                 self.shadows = fork_shadows(self.tuner.profile, shared, self.tuner.choices, seq, lookup.checkpoint_at)
             hits = [lookup.hit_tokens] * len(self.shadows)

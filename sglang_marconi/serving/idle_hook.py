@@ -6,8 +6,7 @@ holds requests back from the tuner nor shows stale figures. BEFORE, not AFTER: `
 
 from __future__ import annotations
 
-ON_IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
-_registered = False
+ON_IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"  # registered by metrics.register_hooks
 
 
 def before_on_idle(scheduler, *args, **kwargs):
@@ -15,13 +14,3 @@ def before_on_idle(scheduler, *args, **kwargs):
     if runtime is not None:
         runtime.on_idle()  # guarded inside: a fault there costs a warning, never the scheduler
     return None  # the arguments unchanged
-
-
-def register_idle_hook() -> None:
-    global _registered
-    if _registered:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(ON_IDLE_TARGET, before_on_idle, HookType.BEFORE)
-    _registered = True

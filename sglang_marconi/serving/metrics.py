@@ -174,10 +174,15 @@ _hooks_registered = False
 
 
 def register_hooks() -> None:
+    """The `/server_info` readback, and the idle path (`idle_hook.py`: the tuner's partial batch,
+    gauges published while idle)."""
     global _hooks_registered
     if _hooks_registered:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sglang_marconi.serving.idle_hook import ON_IDLE_TARGET, before_on_idle
+
     HookRegistry.register(INTERNAL_STATE_TARGET, add_marconi_state, HookType.AFTER)
+    HookRegistry.register(ON_IDLE_TARGET, before_on_idle, HookType.BEFORE)
     _hooks_registered = True

@@ -47,10 +47,7 @@ def register() -> None:
     from sglang_marconi.serving.metrics import register_hooks
     from sglang_marconi.serving.two_pass_prefill import install_two_pass_prefill_hook
 
-    register_hooks()
-    from sglang_marconi.serving.idle_hook import register_idle_hook
-
-    register_idle_hook()  # hand the tuner its partial batch and publish gauges while idle
+    register_hooks()  # /server_info readback; the idle path (tuner's partial batch, gauges)
     install_two_pass_prefill_hook()  # end a prefill chunk at the branch (no_buffer mode)
 
 

@@ -79,6 +79,15 @@ class CpuCache:
         return out
 
 
+def node_depth(node) -> int:
+    """Tokens from the root to the end of `node`'s edge."""
+    n = 0
+    while node.parent is not None:
+        n += len(node.key)
+        node = node.parent
+    return n
+
+
 def build_cache(
     *,
     kv_size: int = 4096,

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("sglang")
 
 from sglang_cpu import MAMBA, build_cache, run_request  # noqa: E402
+from sglang_cpu import node_depth as depth  # noqa: E402
 
 from sglang_marconi.serving.admission import admission_mixin, chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.eviction_components import (  # noqa: E402
@@ -48,14 +49,6 @@ def marconi(alpha=0.0, **kwargs):
 
 def states_in_tree(cc) -> int:
     return sum(1 for n in cc.nodes() if n.component_data[MAMBA].value is not None)
-
-
-def depth(node) -> int:
-    n = 0
-    while node.parent is not None:
-        n += len(node.key)
-        node = node.parent
-    return n
 
 
 def state_depths(cc) -> set[int]:

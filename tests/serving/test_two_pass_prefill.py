@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("sglang")
 
 from sglang_cpu import MAMBA, build_cache, make_request  # noqa: E402
+from sglang_cpu import node_depth as depth  # noqa: E402
 
 from sglang_marconi.serving.admission import admission_mixin  # noqa: E402
 from sglang_marconi.serving.eviction_components import (  # noqa: E402
@@ -141,14 +142,6 @@ class Scheduler:
                 return
             self.round()
         raise AssertionError("scheduler did not drain")
-
-
-def depth(node) -> int:
-    n = 0
-    while node.parent is not None:
-        n += len(node.key)
-        node = node.parent
-    return n
 
 
 def state_depths(cc) -> list[int]:

@@ -6,6 +6,14 @@ checkpoint grid, as chunked prefill produces states). Eviction (§4.2) is delega
 `EvictionPolicy`; candidates live in a numpy `CandidateIndex` kept current incrementally, so
 choosing a victim never walks the tree.
 
+Probation (`probation=True`): a prefix that recurs exactly twice in a row (a request, then one that
+shares its input and not what followed: SGLang's mooncake generator sends each round with a
+placeholder reply) finds no state at the second use: the branch it reveals is checkpointed then
+and pays from the third. With probation each admission also keeps, best effort, the state at
+the end of the request's input (the prefill computes it anyway) as a probationary state: a
+later hit on it confirms it (a regular state from then on), and pressure evicts probationary
+states first, oldest first, before the eviction policy is asked for a victim.
+
 Bytes: `kv_bytes_per_token` per cached token plus `ssm_state_bytes` per checkpoint, both from
 the model profile; `used_bytes` never exceeds `capacity_bytes` once an admission returns. With
 `state_slots` (two budgets, as a serving engine's KV pool and SSM-state pool), `capacity_bytes`
@@ -55,6 +63,8 @@ class CacheSnapshot:
     checkpoint_grid: int
     page_size: int
     state_slots: int | None = None
+    probation: tuple[int, ...] = ()  # indexes (in `parents` order) of probationary states, oldest first
+    keeps_probation: bool = False
 
 
 class HybridPrefixCache:
@@ -67,6 +77,7 @@ class HybridPrefixCache:
         checkpoint_grid: int = 1,
         page_size: int = 1,
         state_slots: int | None = None,
+        probation: bool = False,
     ):
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, (int, np.integer)) or capacity_bytes <= 0:
             raise MarconiError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
@@ -96,6 +107,8 @@ class HybridPrefixCache:
         self.ssm_states = 0
         self.clock = 0.0
         self.counters = CacheCounters()
+        self.probation = probation
+        self._probation: dict[int, Node] = {}  # probationary states by node id, oldest first
 
     # -- accounting ------------------------------------------------------------------------------
     @property
@@ -124,6 +137,8 @@ class HybridPrefixCache:
             self._touch_hit(walk, hit_node)
             return Lookup(hit, walk.overlap, None, hit_node)
         self._touch_hit(walk, hit_node)
+        if self._probation:
+            self._probation.pop(hit_node.id, None)  # a hit confirms a probationary state
         return Lookup(hit_node.end, walk.overlap, self._branch_checkpoint(walk, hit_node.end, limit), hit_node)
 
     def _touch_hit(self, walk: Walk, hit_node: Node) -> None:
@@ -146,9 +161,10 @@ class HybridPrefixCache:
         target = branch - branch % self.checkpoint_grid
         return target if target > hit else None
 
-    def admit(self, sequence, checkpoint_at: int | None = None) -> int:
+    def admit(self, sequence, checkpoint_at: int | None = None, probation_at: int | None = None) -> int:
         """Cache a finished request's sequence (input + output) with an SSM state at its end and
-        at `checkpoint_at`; evict to make room. Returns the number of states admitted (<= 2)."""
+        at `checkpoint_at`; evict to make room. Returns the number of states admitted (<= 2, plus
+        a probationary one at `probation_at` when the cache keeps them and there is room)."""
         seq = as_token_array(sequence)
         n = self.tree.page_aligned(len(seq))
         if n == 0:
@@ -177,19 +193,73 @@ class HybridPrefixCache:
                     node.has_state = True
                     self.ssm_states += 1
                     admitted += 1
+                elif self._probation:
+                    self._probation.pop(node.id, None)  # a regular state where a probationary one was
                 self._touch(node)
                 self._refresh(node)
+            if (self.probation and probation_at is not None and positions and 0 < probation_at < n
+                    and probation_at % self.tree.page_size == 0 and probation_at not in positions):
+                admitted += self._admit_probationary(seq, int(probation_at))
             return admitted
         finally:
             if deepest is not None:
                 self.unlock(deepest)
+
+    def _admit_probationary(self, seq: np.ndarray, pos: int) -> int:
+        """A probationary state at `pos`, if it fits without evicting anything but other
+        probationary states (the request's own path is locked meanwhile)."""
+        walk = self.tree.walk(seq[:pos])
+        node = walk.last if walk.partial is None else None
+        if node is not None and node.has_state:
+            return 0
+        deepest = self.tree.walk(seq).last
+        if deepest is not None:
+            self.lock(deepest)
+        try:
+            while not self._fits(0, 1) and self._evict_probationary():
+                pass
+            if not self._fits(0, 1):
+                return 0
+            node = self._node_at(seq, pos)
+            node.has_state = True
+            self.ssm_states += 1
+            self._probation[node.id] = node
+            self._refresh(node)
+            return 1
+        finally:
+            if deepest is not None:
+                self.unlock(deepest)
+
+    def _fits(self, kv_bytes: int, new_states: int) -> bool:
+        if self.state_slots is None:
+            return self.free_bytes >= kv_bytes + new_states * self.ssm_state_bytes
+        return (self.kv_tokens * self.kv_bytes_per_token + kv_bytes <= self.capacity_bytes
+                and self.ssm_states + new_states <= self.state_slots)
+
+    def _evict_probationary(self) -> bool:
+        """Drop the oldest unlocked probationary state (and what only it kept); False if none."""
+        for node_id, node in self._probation.items():
+            if node.lock_count:
+                continue
+            del self._probation[node_id]
+            if not node.children:  # a leaf: its KV goes too, as any leaf eviction
+                self.evict(node)
+                return True
+            self._drop(node)
+            node.has_state = False
+            self.ssm_states -= 1
+            self.counters.evictions_single_child += 1
+            self._refresh(node)
+            self._compress(node)
+            return True
+        return False
 
     def serve(self, input_tokens, output_tokens=()) -> tuple[Lookup, int]:
         """Simulate one request end to end: lookup, prefill, decode, admit."""
         inp = as_token_array(input_tokens)
         lookup = self.lookup(inp)
         seq = np.concatenate((inp, np.asarray(output_tokens, dtype=np.int64)))
-        return lookup, self.admit(seq, lookup.checkpoint_at)
+        return lookup, self.admit(seq, lookup.checkpoint_at, len(inp) if self.probation else None)
 
     # -- locks -----------------------------------------------------------------------------------
     def lock(self, node: Node) -> None:
@@ -231,6 +301,8 @@ class HybridPrefixCache:
         return True
 
     def _evict_one(self) -> bool:
+        if self._probation and self._evict_probationary():
+            return True
         if not len(self.index):
             return False
         self.evict(self.eviction.choose(self.index))
@@ -240,6 +312,7 @@ class HybridPrefixCache:
         """Evict one candidate: a leaf frees its KV and state; a single-child node frees its
         state and its edge is absorbed by its child."""
         assert node.slot >= 0, f"{node!r} is not an eviction candidate"
+        self._probation.pop(node.id, None)
         self._drop(node)
         if node.has_state:
             node.has_state = False
@@ -349,13 +422,14 @@ class HybridPrefixCache:
         return CacheSnapshot(
             parents, tokens, has_state, last_access, self.clock, self.capacity_bytes,
             self.checkpoint_grid, self.tree.page_size, self.state_slots,
+            tuple(order[i] for i in self._probation), self.probation,
         )
 
     @classmethod
     def from_snapshot(cls, profile, snap: CacheSnapshot, eviction: EvictionPolicy, capacity_bytes: int | None = None):
-        cache = cls(
-            profile, capacity_bytes or snap.capacity_bytes, eviction,
-            checkpoint_grid=snap.checkpoint_grid, page_size=snap.page_size, state_slots=snap.state_slots,
+        cache = HybridPrefixCache(
+            profile, capacity_bytes or snap.capacity_bytes, eviction, checkpoint_grid=snap.checkpoint_grid,
+            page_size=snap.page_size, state_slots=snap.state_slots, probation=snap.keeps_probation,
         )
         built: list[Node] = []
         for parent_idx, toks, state, stamp in zip(snap.parents, snap.tokens, snap.has_state, snap.last_access):
@@ -366,6 +440,7 @@ class HybridPrefixCache:
             cache.ssm_states += state
             built.append(node)
         cache.clock = snap.clock
+        cache._probation = {built[i].id: built[i] for i in snap.probation}
         for node in built:
             cache._refresh(node)
         return cache
@@ -389,6 +464,9 @@ class HybridPrefixCache:
                 assert node.slot < 0, node
             assert node.has_state or len(node.children) != 1 or node.lock_count, f"uncompressed {node!r}"
         assert kv == self.kv_tokens and states == self.ssm_states
+        for node in self._probation.values():
+            assert node.has_state and node.parent is not None, f"stale probationary state {node!r}"
+        assert self.probation or not self._probation
         assert candidates == {n.id for n in self.index.items}
         if self.state_slots is None:
             assert self.used_bytes <= self.capacity_bytes

@@ -294,9 +294,11 @@ class ShadowTuner:
     """Feed it every request (`observe`); it returns the choice to adopt whenever it switches."""
 
     def __init__(self, profile, capacity_bytes: int, config: ShadowConfig = ShadowConfig(), *,
-                 checkpoint_grid: int = 1, page_size: int = 1, state_slots: int | None = None):
+                 checkpoint_grid: int = 1, page_size: int = 1, state_slots: int | None = None,
+                 probation: bool = False):
         """`capacity_bytes` (and `state_slots`, for two budgets: see `HybridPrefixCache`) are the
-        live cache's; the shadows get them scaled by the sample rate."""
+        live cache's; the shadows get them scaled by the sample rate. `probation`: the live cache
+        keeps probationary states (`HybridPrefixCache`), so the shadows do too."""
         self.profile = profile
         self.config = config
         self.choices = config.choices
@@ -309,7 +311,8 @@ class ShadowTuner:
                 f"SSM states ({2 * profile.ssm_state_bytes} bytes); raise the sample rate"
             )
         self.shared: _SharedShadow | None = _SharedShadow(
-            profile, shadow_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=shadow_slots)
+            profile, shadow_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=shadow_slots,
+            probation=probation)
         self.shadows: list[HybridPrefixCache] = []
         # Miniatures: the same shadows at `prior_scale` x the capacity, from the start until the fork.
         # They fill (and fork) first, so when the shadows fork, before any of them has a hit to
@@ -323,7 +326,8 @@ class ShadowTuner:
         if config.prior_scale > 0 and (mini_bytes >= 2 * profile.ssm_state_bytes or state_slots is not None):
             mini_slots = None if shadow_slots is None else max(2, round(shadow_slots * config.prior_scale))
             self.mini = _Miniatures(self, _SharedShadow(profile, max(1, mini_bytes), checkpoint_grid=checkpoint_grid,
-                                                        page_size=page_size, state_slots=mini_slots))
+                                                        page_size=page_size, state_slots=mini_slots,
+                                                        probation=probation))
         self.current = config.start
         self.evidence = Evidence(len(self.choices), (config.half_life, config.guard_half_life))
         self.since = Evidence(len(self.choices), (math.inf,))  # since the last switch: what the guard judges
@@ -335,7 +339,7 @@ class ShadowTuner:
         self.log = TunerLog(decisions=[(0, self.current)])
         self._fed = 0  # observe() calls: equal to log.requests while the caller feeds every request
         self.verifier = _Verifier(self, capacity_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size,
-                                  state_slots=state_slots) if rate < 1 and config.verify else None
+                                  state_slots=state_slots, probation=probation) if rate < 1 and config.verify else None
 
     @property
     def scores(self) -> np.ndarray:
@@ -378,10 +382,10 @@ class ShadowTuner:
                     self._prior, self.mini = self.mini.leader(), None
             lookup = self.shared.lookup(inp)
             try:
-                self.shared.admit(seq, lookup.checkpoint_at)
+                self.shared.admit(seq, lookup.checkpoint_at, len(inp))
                 return None
             except _ForkNow:
-                self._fork(seq, lookup.checkpoint_at)
+                self._fork(seq, lookup.checkpoint_at, len(inp))
             hits = [lookup.hit_tokens] * len(self.shadows)
             mini, self.mini = self.mini, None
             prior = self._prior if mini is None else mini.leader()
@@ -396,7 +400,7 @@ class ShadowTuner:
                     hits.append(0)
                     continue
                 lookup = shadow.lookup(inp)
-                shadow.admit(seq, lookup.checkpoint_at)
+                shadow.admit(seq, lookup.checkpoint_at, len(inp))
                 hits.append(lookup.hit_tokens)
         self._score(key, hits, len(inp))
         self._since_switch += 1
@@ -406,11 +410,11 @@ class ShadowTuner:
             return self._decide()
         return None
 
-    def _fork(self, seq: np.ndarray, checkpoint_at: int | None) -> None:
+    def _fork(self, seq: np.ndarray, checkpoint_at: int | None, input_len: int) -> None:
         shared, self.shared = self.shared, None
         self.log.forked_at = self.log.requests
         self._sampled_at_fork = self._revived_at = self.log.sampled
-        self.shadows = fork_shadows(self.profile, shared, self.choices, seq, checkpoint_at)
+        self.shadows = fork_shadows(self.profile, shared, self.choices, seq, checkpoint_at, input_len)
 
     # -- scores and decisions ----------------------------------------------------------------
     def _gain(self, hit: int) -> float:
@@ -545,13 +549,15 @@ class _Verifier:
       choice when the anchor leads.
     Its Evidence windows count the requests of its own sample."""
 
-    def __init__(self, tuner: ShadowTuner, capacity_bytes: int, *, checkpoint_grid: int, page_size: int, state_slots):
+    def __init__(self, tuner: ShadowTuner, capacity_bytes: int, *, checkpoint_grid: int, page_size: int, state_slots,
+                 probation: bool = False):
         self.tuner = tuner
         c = tuner.config
         self.rate = min(1.0, max(0.5, 2 * c.sample_rate)) if c.verify_rate is None else check_rate(c.verify_rate)
         capacity_bytes = int(capacity_bytes * self.rate)
         state_slots = None if state_slots is None else max(2, round(state_slots * self.rate))
-        self._kw = dict(checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=state_slots)
+        self._kw = dict(checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=state_slots,
+                        probation=probation)
         self.capacity_bytes = capacity_bytes
         safe = tuner.config.start
         self.arms: list[tuple[int, HybridPrefixCache]] = [
@@ -600,7 +606,7 @@ class _Verifier:
         hits = []
         for _, cache in self.arms:
             lookup = cache.lookup(inp)
-            cache.admit(seq, lookup.checkpoint_at)
+            cache.admit(seq, lookup.checkpoint_at, len(inp))
             hits.append(lookup.hit_tokens)
         if self.evidence is None:
             return None
@@ -659,14 +665,15 @@ class _Verifier:
         self.mirror = 1 if len(arms) > 1 and self.mirror is not None and arms[1] == self.mirror else None
 
 
-def fork_shadows(profile, shared: _SharedShadow, choices, seq: np.ndarray, checkpoint_at: int | None):
+def fork_shadows(profile, shared: _SharedShadow, choices, seq: np.ndarray, checkpoint_at: int | None,
+                 input_len: int):
     """One cache per choice from the shared shadow's contents, each with its own recency, the
     request that made the shared shadow fork admitted."""
     shadows = []
     for choice in choices:
         eviction = eviction_for(choice)
         shadow = HybridPrefixCache.from_snapshot(profile, shared.snapshot_as(eviction), eviction)
-        shadow.admit(seq, checkpoint_at)
+        shadow.admit(seq, checkpoint_at, input_len)
         shadows.append(shadow)
     return shadows
 
@@ -690,18 +697,19 @@ class _Miniatures:
         if self.shared is not None:
             lookup = self.shared.lookup(inp)
             try:
-                self.shared.admit(seq, lookup.checkpoint_at)
+                self.shared.admit(seq, lookup.checkpoint_at, len(inp))
                 return
             except _ForkNow:
                 self.served_at_fork = self.served
                 shared, self.shared = self.shared, None
-                self.shadows = fork_shadows(self.tuner.profile, shared, self.tuner.choices, seq, lookup.checkpoint_at)
+                self.shadows = fork_shadows(self.tuner.profile, shared, self.tuner.choices, seq, lookup.checkpoint_at,
+                                            len(inp))
             hits = [lookup.hit_tokens] * len(self.shadows)
         else:
             hits = []
             for shadow in self.shadows:
                 lookup = shadow.lookup(inp)
-                shadow.admit(seq, lookup.checkpoint_at)
+                shadow.admit(seq, lookup.checkpoint_at, len(inp))
                 hits.append(lookup.hit_tokens)
         tuner = self.tuner
         if tuner.config.objective == "flops":
@@ -740,9 +748,10 @@ class _SharedShadow(HybridPrefixCache):
     (only the node hit is refreshed: `last_access`, `clock`) and SGLang's LRU (every node of the
     matched path: `path_access`, `path_clock`)."""
 
-    def __init__(self, profile, capacity_bytes: int, *, checkpoint_grid: int, page_size: int, state_slots):
-        super().__init__(profile, capacity_bytes, _ForkBeforeEvicting(),
-                         checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=state_slots)
+    def __init__(self, profile, capacity_bytes: int, *, checkpoint_grid: int, page_size: int, state_slots,
+                 probation: bool = False):
+        super().__init__(profile, capacity_bytes, _ForkBeforeEvicting(), checkpoint_grid=checkpoint_grid,
+                         page_size=page_size, state_slots=state_slots, probation=probation)
         self.path_access: dict[int, float] = {}
         self.path_clock = 0.0
 

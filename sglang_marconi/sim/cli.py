@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune-epoch", type=int, default=ShadowConfig.epoch, help="sampled requests between decisions")
     p.add_argument("--tune-margin", type=float, default=ShadowConfig.margin,
                    help="lead a choice needs over the current one, as a share of the most the requests could save")
+    p.add_argument("--probation", action="store_true",
+                   help="SGLang+ and Marconi also keep a probationary state at the end of each input, evicted "
+                        "first, confirmed by a hit (a prefix used exactly twice in a row then hits at the second use)")
     p.add_argument("--gpu", default="A100-80GB", help="GPU profile for the MODELED time to first token")
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--with-requests", action="store_true", help="include per-request records in the JSON")
@@ -130,13 +133,13 @@ def run(args: argparse.Namespace) -> list[RunResult]:
             replay_args = dict(gpu=args.gpu, progress=not args.no_progress, limit=args.limit)
             if policy_name == BEST:
                 runs.append(replay_best(workload, profile, capacity, tuning, checkpoint_grid=args.checkpoint_grid,
-                                        **replay_args))
+                                        probation=args.probation, **replay_args))
                 continue
             config = tuning
             if policy_name == "marconi" and args.alpha is None:  # tuned: the sample rate may depend on capacity
                 config = shadow_config_for(workload, profile, capacity, tuning, args.tune_sample_rate)
             policy = build_policy(policy_name, profile, capacity, alpha=args.alpha, block_size=args.block_size,
-                                  checkpoint_grid=args.checkpoint_grid, tuning=config)
+                                  checkpoint_grid=args.checkpoint_grid, tuning=config, probation=args.probation)
             runs.append(replay(workload, policy, profile, capacity, **replay_args))
     return runs
 

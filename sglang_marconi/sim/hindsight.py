@@ -19,11 +19,11 @@ BEST = "marconi-best"
 
 
 def replay_best(workload: Workload, profile, capacity_bytes: int, config: ShadowConfig = ShadowConfig(), *,
-                checkpoint_grid: int = 1, **replay_kwargs) -> RunResult:
+                checkpoint_grid: int = 1, probation: bool = False, **replay_kwargs) -> RunResult:
     runs = []
     for choice in config.choices:
         policy = HybridRadixPolicy(choice_label(choice), profile, capacity_bytes, eviction_for(choice),
-                                   checkpoint_grid=checkpoint_grid)
+                                   checkpoint_grid=checkpoint_grid, probation=probation)
         runs.append((choice, replay(workload, policy, profile, capacity_bytes, **replay_kwargs)))
     key = (lambda r: r.flops_saved) if config.objective == "flops" else (lambda r: r.hit_tokens)
     best_choice, best = max(runs, key=lambda cr: key(cr[1]))  # max keeps the first of equals

@@ -49,8 +49,9 @@ def check_policy_name(name: str) -> str:
 
 
 def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None = None, block_size: int = 32,
-                 checkpoint_grid: int = 1, tuning: ShadowConfig | None = None):
-    """`marconi` tunes alpha unless `alpha` is given; `marconi:A` always fixes alpha = A."""
+                 checkpoint_grid: int = 1, tuning: ShadowConfig | None = None, probation: bool = False):
+    """`marconi` tunes alpha unless `alpha` is given; `marconi:A` always fixes alpha = A.
+    `probation`: SGLang+ and Marconi keep probationary states (`HybridPrefixCache`)."""
     base, _, fixed = check_policy_name(name).partition(":")
     if base == "marconi-best":
         raise MarconiError("marconi-best replays every candidate: use sim.hindsight.replay_best")
@@ -61,6 +62,6 @@ def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None
     if base == "vllm+":
         return VllmPlusCache(profile, capacity_bytes, block_size=block_size)
     if base == "sglang+":
-        return sglang_plus(profile, capacity_bytes, checkpoint_grid=checkpoint_grid)
+        return sglang_plus(profile, capacity_bytes, checkpoint_grid=checkpoint_grid, probation=probation)
     return marconi(profile, capacity_bytes, alpha=float(fixed) if fixed else alpha,
-                   checkpoint_grid=checkpoint_grid, tuning=tuning)
+                   checkpoint_grid=checkpoint_grid, tuning=tuning, probation=probation)

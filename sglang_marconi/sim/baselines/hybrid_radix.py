@@ -16,13 +16,15 @@ from sglang_marconi.sim.workload import Request
 
 class HybridRadixPolicy:
     def __init__(self, name: str, profile, capacity_bytes: int, eviction: EvictionPolicy, *,
-                 checkpoint_grid: int = 1, tuning: ShadowConfig | None = None):
+                 checkpoint_grid: int = 1, tuning: ShadowConfig | None = None, probation: bool = False):
         self.name = name
         self.tuner = None
         if tuning is not None:
-            self.tuner = ShadowTuner(profile, capacity_bytes, tuning, checkpoint_grid=checkpoint_grid)
+            self.tuner = ShadowTuner(profile, capacity_bytes, tuning, checkpoint_grid=checkpoint_grid,
+                                     probation=probation)
             eviction = eviction_for(self.tuner.current)
-        self.cache = HybridPrefixCache(profile, capacity_bytes, eviction, checkpoint_grid=checkpoint_grid)
+        self.cache = HybridPrefixCache(profile, capacity_bytes, eviction, checkpoint_grid=checkpoint_grid,
+                                       probation=probation)
         self.served = 0
         self.history = [(0, getattr(eviction, "alpha", 0.0), eviction.name)]  # (request index, alpha, policy)
 
@@ -52,15 +54,16 @@ class HybridRadixPolicy:
         )
 
 
-def sglang_plus(profile, capacity_bytes: int, *, checkpoint_grid: int = 1) -> HybridRadixPolicy:
-    return HybridRadixPolicy("sglang+", profile, capacity_bytes, LruLeafEviction(), checkpoint_grid=checkpoint_grid)
+def sglang_plus(profile, capacity_bytes: int, *, checkpoint_grid: int = 1, probation: bool = False) -> HybridRadixPolicy:
+    return HybridRadixPolicy("sglang+", profile, capacity_bytes, LruLeafEviction(), checkpoint_grid=checkpoint_grid,
+                             probation=probation)
 
 
 def marconi(profile, capacity_bytes: int, *, alpha: float | None = None, checkpoint_grid: int = 1,
-            tuning: ShadowConfig | None = None) -> HybridRadixPolicy:
+            tuning: ShadowConfig | None = None, probation: bool = False) -> HybridRadixPolicy:
     """alpha=None tunes the eviction choice online (shadow caches); a number fixes alpha."""
     if alpha is None:
         return HybridRadixPolicy("marconi", profile, capacity_bytes, FlopAwareEviction(0.0),
-                                 checkpoint_grid=checkpoint_grid, tuning=tuning or ShadowConfig())
+                                 checkpoint_grid=checkpoint_grid, tuning=tuning or ShadowConfig(), probation=probation)
     return HybridRadixPolicy(f"marconi(alpha={alpha:g})", profile, capacity_bytes, FlopAwareEviction(alpha),
-                             checkpoint_grid=checkpoint_grid)
+                             checkpoint_grid=checkpoint_grid, probation=probation)

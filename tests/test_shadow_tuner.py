@@ -169,6 +169,10 @@ def test_two_budget_shadows_bound_kv_and_states_separately(toy):
     ({"margin": -1}, "margin"),
     ({"z": math.inf}, "z"),
     ({"tie": -0.5}, "tie"),
+    ({"prior_scale": 1.0}, "prior_scale"),
+    ({"guard_half_life": 0}, "guard_half_life"),
+    ({"verify_rate": 1.5}, "sampling rate"),
+    ({"prune_margin": -1}, "prune_margin"),
 ])
 def test_bad_config(kwargs, match):
     with pytest.raises(MarconiError, match=match):

@@ -158,6 +158,9 @@ class ShadowConfig:
         for name in ("half_life", "guard_half_life"):
             if not getattr(self, name) > 0:
                 raise MarconiError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if isinstance(self.prior_scale, bool) or not isinstance(self.prior_scale, (int, float)) \
+                or not 0 <= self.prior_scale < 1:
+            raise MarconiError(f"prior_scale must be in [0, 1) (0: no miniatures), got {self.prior_scale!r}")
 
     @property
     def choices(self) -> tuple[Choice, ...]:
@@ -282,12 +285,6 @@ class Evidence:
             return False
         h = self.halves[window]
         return not halves or bool(h[0, a] > h[0, b] and h[1, a] > h[1, b])
-
-    def lower_bound(self, a: int, b: int, window: int, z: float) -> float:
-        """The lead of `a` over `b` less `z` clustered standard errors (what ranks candidates)."""
-        m = self.moments[window]
-        se = math.sqrt(max(m[a, a] + m[b, b] - 2 * m[a, b], 0.0))
-        return float(self.scores[window, a] - self.scores[window, b] - z * se)
 
 
 class ShadowTuner:

@@ -6,6 +6,10 @@ a sample that small would mislead: fewer than MIN_SESSIONS sessions in it (a sam
 with a handful of sessions ranks evictions by luck), or a shadow cache too small to hold
 MIN_REQUESTS_HELD average requests (scaling the capacity by the rate then no longer keeps the
 contention the full cache sees). Small traces thus tune at rate 1.
+
+At a rate below 1 the sampled shadows only propose: the tuner's verifier checks each proposal on
+a second, larger and independent sample before the live cache adopts it (`ShadowConfig.verify`,
+`verify_rate`), so a sample that misleads costs a trial, not hit rate.
 """
 
 from __future__ import annotations

@@ -22,13 +22,21 @@ SGLang's CPU engine (`tests/server/`): its times are CPU/tiny-model times, only 
 anything. On a GPU host pass `--model-path` of a real hybrid model, `--device cuda`, and any SGLang
 flags after `--`.
 
+`--mamba-radix-cache-strategy` picks SGLang's Mamba radix-cache strategy for both servers:
+`no_buffer` (the CPU default here: overlap scheduling off, which that mode requires) or
+`extra_buffer` (SGLang's GPU default: overlap scheduling on; on CPU through the test-only
+state-snapshot stand-in of `tests/cpu_engine/snapshot_platform.py`), or `auto` (SGLang resolves
+it; on CPU with overlap scheduling on). On a GPU the default leaves SGLang's own choice.
+
     python scripts/bench_serving_compare.py [--quick] [--workloads shared-prefix,agent] [--out out/serving]
+    python scripts/bench_serving_compare.py --quick --mamba-radix-cache-strategy extra_buffer --out out/serving-xbuf
     python scripts/bench_serving_compare.py --device cuda --model-path nvidia/NVIDIA-Nemotron-Nano-9B-v2 -- --tp 1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import shlex
@@ -41,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 MOONCAKE = REPO.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 sys.path.insert(0, str(REPO / "tests" / "server"))  # the server harness and the tiny models
 
+import live_server  # noqa: E402
 from live_server import start_server  # noqa: E402
 from serving_load import LoadResult, replay_sessions, run_bench_serving  # noqa: E402
 
@@ -48,6 +57,23 @@ WORKLOADS = ("shared-prefix", "multi-turn", "mooncake", "mooncake-turns", "agent
 RUNS = (("upstream", "sglang"), ("marconi", "marconi"), ("upstream-2", "sglang"))  # (label, launcher)
 # Bench pools on CPU: KV for long Mooncake prompts; few SSM slots, the scarce resource on real hybrids.
 CPU_BENCH_FLAGS = ("--max-total-tokens", "32768", "--max-mamba-cache-size", "24")
+STRATEGIES = ("auto", "no_buffer", "extra_buffer")
+
+
+@contextlib.contextmanager
+def cpu_strategy(strategy: str):
+    """`live_server.CPU_FLAGS` (which start_server puts first on CPU) with this Mamba radix-cache
+    strategy, and overlap scheduling left on unless it is no_buffer (which requires it off)."""
+    saved = live_server.CPU_FLAGS
+    flags = list(saved)
+    flags[flags.index("--mamba-radix-cache-strategy") + 1] = strategy
+    if strategy != "no_buffer":
+        flags.remove("--disable-overlap-schedule")
+    live_server.CPU_FLAGS = tuple(flags)
+    try:
+        yield
+    finally:
+        live_server.CPU_FLAGS = saved
 
 
 def workload_sizes(quick: bool) -> dict:
@@ -170,9 +196,14 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="small workloads (~3 min on a 2-core CPU)")
     p.add_argument("--out", default="out/serving")
     p.add_argument("--ours-args", default="", help="flags for our server only, e.g. \"--marconi-alpha 1\" (A/B runs)")
+    p.add_argument("--mamba-radix-cache-strategy", choices=STRATEGIES, default=None,
+                   help="SGLang's Mamba radix-cache strategy for both servers (default: no_buffer on CPU, "
+                        "SGLang's own elsewhere); extra_buffer and auto run with overlap scheduling")
     own, extra = _split(argv)
     args = p.parse_args(own)
     args.extra = extra
+    if args.mamba_radix_cache_strategy is None and args.device == "cpu":
+        args.mamba_radix_cache_strategy = "no_buffer"
     bad = [w for w in args.workloads.split(",") if w not in WORKLOADS]
     if bad:
         p.error(f"--workloads: unknown {', '.join(bad)}; choose from {', '.join(WORKLOADS)}")
@@ -206,17 +237,23 @@ def main(argv=None) -> int:
     from transformers import AutoConfig
 
     args.vocab_size = min(AutoConfig.from_pretrained(model).vocab_size, 32000)
+    strategy = args.mamba_radix_cache_strategy
     hardware = (f"CPU/tiny-model ({platform.processor() or platform.machine()}, SGLang CPU engine; only ratios "
                 "mean anything)" if args.device == "cpu" else f"{args.device}, {model}")
+    hardware += f"; Mamba radix cache {strategy or 'SGLang default'}"
     flags = (*(CPU_BENCH_FLAGS if args.device == "cpu" else ()), *args.extra)
+    if strategy is not None and args.device != "cpu":
+        flags = ("--mamba-radix-cache-strategy", strategy, *flags)
+    strategy_flags = (lambda: cpu_strategy(strategy)) if args.device == "cpu" else contextlib.nullcontext
     sizes = workload_sizes(args.quick)
     workloads = args.workloads.split(",")
     results: dict = {w: {} for w in workloads}
     for label, launcher in RUNS:
         t0 = time.perf_counter()
         ours = shlex.split(args.ours_args) if launcher == "marconi" else []
-        server = start_server(model, launcher=launcher, extra_args=(*flags, *ours), device=args.device,
-                              log_path=scratch / f"{label}.log")
+        with strategy_flags():
+            server = start_server(model, launcher=launcher, extra_args=(*flags, *ours), device=args.device,
+                                  log_path=scratch / f"{label}.log")
         print(f"{label}: ready in {time.perf_counter() - t0:.0f} s ({server.url})", flush=True)
         try:
             for w in workloads:
@@ -229,6 +266,7 @@ def main(argv=None) -> int:
             server.stop()
     print(format_tables(results, hardware))
     report = {"hardware": hardware, "model": model, "flags": list(flags), "ours_args": args.ours_args,
+              "mamba_radix_cache_strategy": strategy,
               "max_concurrency": args.max_concurrency,
               "sizes": sizes, "results": {w: {k: {**asdict(v), "token_hit_rate": v.token_hit_rate}
                                               for k, v in runs.items()} for w, runs in results.items()},

@@ -388,6 +388,13 @@ def test_beaten_shadows_leave_the_race_and_come_back(toy):
     for shadow in tuner.shadows:
         if shadow is not None:
             shadow.check_invariants()
+    # a live choice whose shadow is gone (adopted through the verifier) revives the others from LRU's
+    cur = 2
+    tuner.current, tuner.shadows[cur], tuner.shadows[3] = tuner.choices[cur], None, None
+    tuner._revived_at = -10**9
+    tuner._prune_or_revive(cur)
+    assert tuner.shadows[cur] is not None and tuner.shadows[3] is not None
+    assert tuner.scores[cur] == tuner.scores[0] and tuner.scores[3] == tuner.scores[0]
     ev = Evidence(3, (1e9, 1e9))
     ev.add("a", np.array([1.0, 2.0, 3.0]), 10.0)
     ev.copy_arm(2, 0)

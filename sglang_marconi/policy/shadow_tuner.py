@@ -488,17 +488,19 @@ class ShadowTuner:
         dropped = [v for v, shadow in enumerate(self.shadows) if shadow is None]
         if dropped and self.log.sampled - self._revived_at >= c.revive_every:
             self._revived_at = self.log.sampled
-            donor = self.shadows[cur]
+            donor_index = cur if self.shadows[cur] is not None else 0  # the live choice may have come via the verifier
+            donor = self.shadows[donor_index]
             for v in dropped:
                 eviction = eviction_for(self.choices[v])
                 self.shadows[v] = HybridPrefixCache.from_snapshot(self.profile, donor.snapshot(), eviction)
-                ev.copy_arm(cur, v)
-                self.since.copy_arm(cur, v)
+                ev.copy_arm(donor_index, v)
+                self.since.copy_arm(donor_index, v)
             self.log.revived += len(dropped)
             return
         lead = self.leader()
+        trial = self.verifier.trial_choice() if self.verifier is not None else None
         for v, shadow in enumerate(self.shadows):
-            if shadow is None or v in (0, cur, lead):
+            if shadow is None or v in (0, cur, lead, trial):
                 continue
             if ev.lead(lead, v, LONG, c.prune_margin, c.z, False) and ev.lead(lead, v, SHORT, c.prune_margin, 0.0, False):
                 self.shadows[v] = None
@@ -566,6 +568,9 @@ class _Verifier:
         self._since_decision = 0
         self._held = 0.0
         self._blocked_until = np.zeros(len(tuner.choices))  # a turned-down proposal waits (requests)
+
+    def trial_choice(self) -> int | None:
+        return None if self.trial is None else self.arms[self.trial][0]
 
     def sees(self, session_key: str) -> bool:
         """Its own session sample: independent of the shadows' (another salt), and larger."""

@@ -78,7 +78,7 @@ def test_background_tuner_decides_as_the_simulator_does_on_the_same_stream():
     served = runtime.tuner_log
     # The simulator's tuner over the same stream, with the pools the server's shadows model.
     sim = ShadowTuner(runtime.profile, 2500 * runtime.profile.kv_bytes_per_token, CONFIG.tuning(), state_slots=8,
-                      checkpoint_grid=64)
+                      checkpoint_grid=runtime.checkpoint_grid)  # exact branches: the page grid
     for key, inp, out in fed:
         sim.observe(key, np.array(inp), np.array(out[:-1]))
     assert served.decisions == sim.log.decisions and len(served.decisions) > 1

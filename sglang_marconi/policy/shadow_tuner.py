@@ -186,7 +186,7 @@ class TunerLog:
     revived: int = 0  # and brought back
 
 
-LONG, SHORT, SINCE = 0, 1, 2  # the windows of the tuner's `Evidence` (SINCE: since the last switch)
+LONG, SHORT = 0, 1  # the two windows of `Evidence`
 
 
 class Evidence:
@@ -204,16 +204,16 @@ class Evidence:
 
     _PRUNE_EVERY = 4096
 
-    def __init__(self, k: int, half_lives: tuple[float, ...], block: int = 8, resettable: int | None = None):
-        """One window per half-life (math.inf: no decay); `resettable`: a window `reset()` empties."""
-        self.k, self.block, self.resettable, self.resets = k, block, resettable, 0
+    def __init__(self, k: int, half_lives: tuple[float, ...], block: int = 8):
+        """One window per half-life (math.inf: no decay)."""
+        self.k, self.block = k, block
         self.decay = np.array([0.5 ** (1.0 / h) for h in half_lives])
         w = len(half_lives)
         self.scores = np.zeros((w, k))
         self.potential = np.zeros(w)
         self.moments = np.zeros((w, k, k))
         self.halves = np.zeros((w, 2, k))
-        self.sessions: dict[str, tuple] = {}  # key -> (D (windows, k), t, half, requests, resets)
+        self.sessions: dict[str, tuple[np.ndarray, int, int, int]] = {}  # key -> (D (2, k), t, half, requests)
         self.t = 0
 
     def add(self, session_key: str, gains: np.ndarray, whole: float) -> None:
@@ -228,10 +228,8 @@ class Evidence:
             half = int(session_in_sample(f"{session_key}\0{n // self.block}", 0.5, salt=1))
             prior = None
         else:
-            stored, t_s, half, _, resets = entry
+            stored, t_s, half, _ = entry
             prior = stored * (d ** (self.t - t_s))[:, None]  # the cluster's sums, decayed to now
-            if resets != self.resets:  # the resettable window was emptied since: nothing of it remains
-                prior[self.resettable] = 0.0
         self.moments *= (d * d)[:, None, None]
         gg = np.outer(gains, gains)
         self.moments += gg
@@ -243,7 +241,7 @@ class Evidence:
             total = np.broadcast_to(gains, self.scores.shape).copy()
         self.halves *= d[:, None, None]
         self.halves[:, half] += gains
-        self.sessions[session_key] = (total, self.t, half, n + 1, self.resets)
+        self.sessions[session_key] = (total, self.t, half, n + 1)
         if self.t % self._PRUNE_EVERY == 0:
             self._prune()
 
@@ -255,15 +253,6 @@ class Evidence:
         horizon = math.log(1e-4) / math.log(self.decay[LONG])
         self.sessions = {s: e for s, e in self.sessions.items() if self.t - e[1] < horizon}
 
-    def reset(self) -> None:
-        """Empty the resettable window (its sums start again from zero)."""
-        w = self.resettable
-        self.scores[w] = 0.0
-        self.potential[w] = 0.0
-        self.moments[w] = 0.0
-        self.halves[w] = 0.0
-        self.resets += 1
-
     def copy_arm(self, src: int, dst: int) -> None:
         """Arm `dst`'s evidence becomes arm `src`'s (as if it had saved what `src` did)."""
         self.scores[:, dst] = self.scores[:, src]
@@ -271,19 +260,18 @@ class Evidence:
         m = self.moments
         m[:, dst, :] = m[:, src, :]
         m[:, :, dst] = m[:, :, src]
-        for entry in self.sessions.values():
-            entry[0][:, dst] = entry[0][:, src]
+        for d, _, _, _ in self.sessions.values():
+            d[:, dst] = d[:, src]
 
     def select(self, arms: Sequence[int]) -> Evidence:
         """The same evidence restricted to `arms` (in that order)."""
         idx = np.asarray(arms)
         out = Evidence.__new__(Evidence)
         out.k, out.block, out.decay, out.t = len(idx), self.block, self.decay, self.t
-        out.resettable, out.resets = self.resettable, self.resets
         out.scores, out.potential = self.scores[:, idx].copy(), self.potential.copy()
         out.moments = self.moments[:, idx][:, :, idx].copy()
         out.halves = self.halves[:, :, idx].copy()
-        out.sessions = {s: (e[0][:, idx].copy(), *e[1:]) for s, e in self.sessions.items()}
+        out.sessions = {s: (d[:, idx].copy(), t, h, n) for s, (d, t, h, n) in self.sessions.items()}
         return out
 
     def lead(self, a: int, b: int, window: int, margin: float, z: float, halves: bool = True) -> bool:
@@ -338,8 +326,8 @@ class ShadowTuner:
                                                         page_size=page_size, state_slots=mini_slots,
                                                         probation=probation))
         self.current = config.start
-        self.evidence = Evidence(len(self.choices), (config.half_life, config.guard_half_life, math.inf),
-                                 resettable=SINCE)
+        self.evidence = Evidence(len(self.choices), (config.half_life, config.guard_half_life))
+        self.since = Evidence(len(self.choices), (math.inf,))  # since the last switch: what the guard judges
         self.strikes = np.zeros(len(self.choices))  # reverts away from each choice: each raises its bar
         self._since_decision = 0
         self._since_switch = config.dwell  # sampled requests since the last switch
@@ -441,6 +429,7 @@ class ShadowTuner:
         else:
             gains, whole = np.asarray(hits, dtype=float), float(input_len)
         self.evidence.add(key, gains, whole)
+        self.since.add(key, gains, whole)
 
     def _decide(self) -> Choice | None:
         """The guard first: a current choice other than the safe one (LRU) that the safe one now
@@ -458,7 +447,7 @@ class ShadowTuner:
         self._prune_or_revive(cur)
         if cur != safe and self.verifier is None and any(
                 e.lead(safe, cur, w, c.guard_margin, z)
-                for e, w, z in ((ev, SINCE, c.z), (ev, SHORT, c.guard_z), (ev, LONG, c.guard_z))):
+                for e, w, z in ((self.since, LONG, c.z), (ev, SHORT, c.guard_z), (ev, LONG, c.guard_z))):
             self.strikes[cur] += 1
             self.log.reverts += 1
             return self._switch(safe)
@@ -505,6 +494,7 @@ class ShadowTuner:
                 eviction = eviction_for(self.choices[v])
                 self.shadows[v] = HybridPrefixCache.from_snapshot(self.profile, donor.snapshot(), eviction)
                 ev.copy_arm(donor_index, v)
+                self.since.copy_arm(donor_index, v)
             self.log.revived += len(dropped)
             return
         lead = self.leader()
@@ -528,7 +518,7 @@ class ShadowTuner:
     def _switch(self, index: int) -> Choice:
         self._since_switch = 0
         self._held[:] = 0
-        self.evidence.reset()
+        self.since = Evidence(len(self.choices), (math.inf,))
         self.current = self.choices[index]
         self.log.decisions.append((self.log.requests, self.current))
         return self.current
@@ -609,9 +599,10 @@ class _Verifier:
             fresh.scores[:, : k - 1], fresh.potential = old.scores, old.potential
             fresh.moments[:, : k - 1, : k - 1], fresh.halves[:, :, : k - 1] = old.moments, old.halves
             fresh.t = old.t
-            for s, (d, *rest) in old.sessions.items():
-                fresh.sessions[s] = (np.concatenate((d, np.zeros((d.shape[0], 1))), axis=1), *rest)
+            for s, (d, t, h, n) in old.sessions.items():
+                fresh.sessions[s] = (np.concatenate((d, np.zeros((d.shape[0], 1))), axis=1), t, h, n)
             self.evidence = fresh
+            self._trial_base = old.scores.copy()
 
     def serve(self, key: str, inp: np.ndarray, seq: np.ndarray) -> Choice | None:
         hits = []

@@ -324,10 +324,101 @@ def _mamba_ssm(c: _Cfg) -> dict:
     return out
 
 
+# --- sliding-window hybrids -------------------------------------------------------------------
+
+_SWA_KINDS = {"sliding_attention": "swa", "sliding": "swa", "local": "swa", "swa": "swa",
+              "full_attention": "full", "full": "full", "global": "full", "attention": "full"}
+
+
+def _swa_layout(c: _Cfg, n: int) -> tuple[int, int, int]:
+    """(global layers, SWA layers, window) from `layer_types`, MiMo's `hybrid_layer_pattern`
+    (1 = SWA) or Gemma's `sliding_window_pattern` P (layer i global iff (i + 1) % P == 0)."""
+    window = c.int("sliding_window", "sliding_window_size")
+    if window < 1:
+        raise ProfileError(f"{c.label}: sliding_window must be a positive integer, got {window!r}")
+    kinds = c.get("layer_types")
+    if kinds is not None:
+        bad = sorted({str(k) for k in kinds} - set(_SWA_KINDS))
+        if bad:
+            raise ProfileError(f"{c.label}: unknown layer_types {bad}; expected sliding_attention / full_attention")
+        counts = _counts([_SWA_KINDS[str(k)] for k in kinds], n, c.label)
+    elif c.get("hybrid_layer_pattern") is not None:
+        pattern = list(c.get("hybrid_layer_pattern"))
+        bad = sorted({str(x) for x in pattern} - {"0", "1"})
+        if bad:
+            raise ProfileError(f"{c.label}: hybrid_layer_pattern entries must be 0 (global) or 1 (SWA), got {bad}")
+        counts = _counts(["swa" if int(x) else "full" for x in pattern], n, c.label)
+    elif c.get("sliding_window_pattern") is not None:
+        period = c.int("sliding_window_pattern")
+        if period < 1:
+            raise ProfileError(f"{c.label}: sliding_window_pattern must be >= 1, got {period!r}")
+        counts = {"full": sum(1 for i in range(n) if (i + 1) % period == 0)}
+        counts["swa"] = n - counts["full"]
+    else:
+        raise ProfileError(f"{c.label}: config lacks layer_types / hybrid_layer_pattern / sliding_window_pattern")
+    return counts.get("full", 0), counts.get("swa", 0), window
+
+
+def _gpt_oss(c: _Cfg) -> dict:
+    """gpt-oss: alternating sliding-window and full attention (layer_types; sinks ignored), every
+    layer a gated MoE of num_local_experts experts of width intermediate_size."""
+    n = c.int("num_hidden_layers")
+    if c.get("layer_types") is None and c.get("sliding_window_pattern") is None:
+        c = _Cfg({**c.data, "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                            for i in range(n)]}, c.label)
+    n_full, n_swa, window = _swa_layout(c, n)
+    return dict(attention=_attention(c, n_full), swa_attention=dict(_attention(c, n_swa), sliding_window=window),
+                moe=dict(n_layers=n, num_experts=c.int("num_local_experts", "num_experts"),
+                         top_k=c.int("num_experts_per_tok", "experts_per_token"),
+                         expert_intermediate_size=c.int("intermediate_size"), shared_intermediate_size=0, gated=True))
+
+
+def _gemma4(c: _Cfg) -> dict:
+    """Gemma 4 (text): SWA layers use head_dim and num_key_value_heads, global layers
+    global_head_dim and num_global_key_value_heads; a gated MLP per layer. attention_k_eq_v
+    (global V = K) is counted as a regular V (the KV pool stores both)."""
+    n = c.int("num_hidden_layers")
+    if c.get("enable_moe_block", default=False):
+        raise ProfileError(f"{c.label}: Gemma 4 MoE checkpoints (enable_moe_block) are not supported yet")
+    if c.int("num_kv_shared_layers", default=0):
+        raise ProfileError(f"{c.label}: KV-shared layers (num_kv_shared_layers) are not supported yet")
+    n_full, n_swa, window = _swa_layout(c, n)
+    glob = dict(_attention(c, n_full), n_kv_heads=c.int("num_global_key_value_heads", "num_key_value_heads"),
+                head_dim=c.int("global_head_dim", "head_dim"))
+    return dict(attention=glob, swa_attention=dict(_attention(c, n_swa), sliding_window=window),
+                mlp=dict(n_layers=n, intermediate_size=c.int("intermediate_size"), gated=True))
+
+
+def _mimo_v2_flash(c: _Cfg) -> dict:
+    """MiMo-V2-Flash: hybrid_layer_pattern (1 = SWA) with separate SWA head counts and widths
+    (swa_*), Q/K head_dim distinct from v_head_dim; layers with moe_layer_freq 1 are a gated MoE,
+    the others a dense gated MLP."""
+    n, d = c.int("num_hidden_layers"), c.int("hidden_size")
+    n_full, n_swa, window = _swa_layout(c, n)
+    glob = dict(_attention(c, n_full), v_head_dim=c.int("v_head_dim", "head_dim"))
+    swa = dict(n_layers=n_swa, n_heads=c.int("swa_num_attention_heads", "num_attention_heads"),
+               n_kv_heads=c.int("swa_num_key_value_heads", "num_key_value_heads"),
+               head_dim=c.int("swa_head_dim", "head_dim"), d_in=d, d_out=d, q_mult=1, extra_flops_per_token=0,
+               v_head_dim=c.int("swa_v_head_dim", "v_head_dim", "swa_head_dim", "head_dim"), sliding_window=window)
+    freq = c.get("moe_layer_freq", default=[1] * n)
+    if isinstance(freq, int):
+        freq = [1 if i % freq == 0 else 0 for i in range(n)]
+    n_moe = sum(1 for x in list(freq)[:n] if int(x))
+    out = dict(attention=glob, swa_attention=swa,
+               moe=dict(n_layers=n_moe, num_experts=c.int("n_routed_experts"), top_k=c.int("num_experts_per_tok"),
+                        expert_intermediate_size=c.int("moe_intermediate_size"),
+                        shared_intermediate_size=c.int("n_shared_experts", default=0)
+                        * c.int("moe_intermediate_size"), gated=True))
+    if n - n_moe:
+        out["mlp"] = dict(n_layers=n - n_moe, intermediate_size=c.int("intermediate_size"), gated=True)
+    return out
+
+
 _BY_MODEL_TYPE = {
     "llama": _dense, "mistral": _dense, "qwen2": _dense, "qwen3": _dense,
     "jamba": _jamba, "zamba2": _zamba2, "nemotron_h": _nemotron_h, "falcon_h1": _falcon_h1,
     "qwen3_next": _qwen3_next, "granitemoehybrid": _granite_hybrid, "mamba2": _mamba2_hf, "mamba": _mamba_hf,
+    "gpt_oss": _gpt_oss, "gemma4_text": _gemma4, "gemma4": _gemma4, "mimo_v2_flash": _mimo_v2_flash,
 }
 _BY_ARCHITECTURE = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -335,6 +426,8 @@ _BY_ARCHITECTURE = {
     "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
     "Qwen3NextForCausalLM": "qwen3_next", "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "Mamba2ForCausalLM": "mamba2", "MambaForCausalLM": "mamba",
+    "GptOssForCausalLM": "gpt_oss", "Gemma4ForCausalLM": "gemma4_text", "Gemma4ForConditionalGeneration": "gemma4",
+    "MiMoV2FlashForCausalLM": "mimo_v2_flash",
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_BY_ARCHITECTURE)) + ("mamba_ssm (d_model/n_layer/ssm_cfg)",)
 

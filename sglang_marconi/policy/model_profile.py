@@ -44,21 +44,33 @@ class AttentionSpec:
     d_out: int                     # width o_proj writes
     q_mult: int = 1                # 2 when q_proj also emits an output gate (Qwen3-Next)
     extra_flops_per_token: int = 0  # Zamba2's per-hybrid-layer D×D output linear
+    v_head_dim: int | None = None  # V's head width where it differs from Q/K's (MiMo-V2: 192 vs 128)
 
     def proj_flops_per_token(self) -> int:
         """q (and gate), k, v from d_in, o back to d_out: 2·(d_in·(q_mult·H·hd + 2·Hkv·hd) + H·hd·d_out).
-        Equals 8·D² for plain multi-head attention with H·hd = D."""
-        q_width, kv_width = self.q_mult * self.n_heads * self.head_dim, 2 * self.n_kv_heads * self.head_dim
-        return 2 * (self.d_in * (q_width + kv_width) + self.n_heads * self.head_dim * self.d_out) \
+        Equals 8·D² for plain multi-head attention with H·hd = D. With a distinct V width vhd,
+        v and o use vhd: 2·(d_in·(q_mult·H·hd + Hkv·(hd + vhd)) + H·vhd·d_out)."""
+        if self.v_head_dim is None:
+            q_width, kv_width = self.q_mult * self.n_heads * self.head_dim, 2 * self.n_kv_heads * self.head_dim
+            return 2 * (self.d_in * (q_width + kv_width) + self.n_heads * self.head_dim * self.d_out) \
+                + self.extra_flops_per_token
+        q_width = self.q_mult * self.n_heads * self.head_dim
+        kv_width = self.n_kv_heads * (self.head_dim + self.v_head_dim)
+        return 2 * (self.d_in * (q_width + kv_width) + self.n_heads * self.v_head_dim * self.d_out) \
             + self.extra_flops_per_token
 
     def score_flops_coeff(self) -> int:
-        """Coefficient of (end² − start²): 4·d_attn, d_attn = H·hd (QKᵀ and AV, no causal halving)."""
-        return 4 * self.n_heads * self.head_dim
+        """Coefficient of (end² − start²): 4·d_attn, d_attn = H·hd (QKᵀ and AV, no causal halving);
+        2·H·(hd + vhd) with a distinct V width."""
+        if self.v_head_dim is None:
+            return 4 * self.n_heads * self.head_dim
+        return 2 * self.n_heads * (self.head_dim + self.v_head_dim)
 
     def kv_elems_per_token(self) -> int:
         """K and V: 2·Hkv·hd elements per token (GQA shrinks this, not the FLOPs of the scores)."""
-        return 2 * self.n_kv_heads * self.head_dim
+        if self.v_head_dim is None:
+            return 2 * self.n_kv_heads * self.head_dim
+        return self.n_kv_heads * (self.head_dim + self.v_head_dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +243,14 @@ class ModelProfile:
     mlp: MlpSpec | None = None
     moe: MoeSpec | None = None
     source: str = ""
-    kv_bytes_per_token: int = field(init=False)        # all attention layers, K and V
+    # Sliding-window attention (SWA) layers: their K and V matter only for the `sliding_window`
+    # tokens before a position. Optional: profiles without them load and compute as before.
+    n_swa_layers: int = 0
+    swa_attention: AttentionSpec | None = None
+    sliding_window: int = 0
+    kv_bytes_per_token: int = field(init=False)        # all global (full) attention layers, K and V
+    swa_kv_bytes_per_token: int = field(init=False)    # all SWA layers, K and V of one token
+    swa_score_flops_coeff: int = field(init=False)     # 4·d_attn summed over the SWA layers
     ssm_state_bytes: int = field(init=False)           # one checkpoint, all SSM layers, temporal + conv
     ssm_conv_bytes: int = field(init=False)            # the conv part of ssm_state_bytes
     linear_flops_per_token: int = field(init=False)
@@ -243,7 +262,12 @@ class ModelProfile:
                                   (self.n_mlp_layers, self.mlp, "mlp"), (self.n_moe_layers, self.moe, "moe")):
             if count < 0 or (count and spec is None):
                 raise ProfileError(f"{self.name}: {count} {what} layers need a {what} spec")
-        if self.n_attention_layers + self.n_ssm_layers == 0:
+        if self.n_swa_layers < 0 or (self.n_swa_layers and self.swa_attention is None):
+            raise ProfileError(f"{self.name}: {self.n_swa_layers} sliding-window layers need a swa_attention spec")
+        if self.n_swa_layers and (isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
+                                  or self.sliding_window < 1):
+            raise ProfileError(f"{self.name}: sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if self.n_attention_layers + self.n_ssm_layers + self.n_swa_layers == 0:
             raise ProfileError(f"{self.name}: a model needs attention or SSM layers")
         per = self._per_layer()
         conv = self.n_ssm_layers * (self.ssm.conv_elems() * self.dtype_bytes if self.ssm else 0)
@@ -257,6 +281,12 @@ class ModelProfile:
                  + self.n_ssm_layers * per["ssm_flops_per_token"]
                  + self.n_mlp_layers * per["mlp_flops_per_token"] + self.n_moe_layers * per["moe_flops_per_token"])
         setattr_(self, "attention_score_flops_coeff", self.n_attention_layers * per["attention_score_flops_coeff"])
+        swa = self.swa_attention if self.n_swa_layers else None
+        setattr_(self, "swa_kv_bytes_per_token", self.n_swa_layers * swa.kv_elems_per_token() * self.dtype_bytes if swa else 0)
+        setattr_(self, "swa_score_flops_coeff", self.n_swa_layers * swa.score_flops_coeff() if swa else 0)
+        if swa:  # SWA projections are linear in tokens like every other projection
+            setattr_(self, "linear_flops_per_token",
+                     self.linear_flops_per_token + self.n_swa_layers * swa.proj_flops_per_token())
 
     def _per_layer(self) -> dict[str, int]:
         a, s = self.attention, self.ssm
@@ -275,6 +305,19 @@ class ModelProfile:
     def ssm_temporal_bytes(self) -> int:
         return self.ssm_state_bytes - self.ssm_conv_bytes
 
+    @property
+    def has_sliding_window(self) -> bool:
+        return self.n_swa_layers > 0
+
+    def swa_band(self, length):
+        """Score work of an SWA layer over a prefix of `length` tokens, in units of its coefficient:
+        length² while the prefix fits the window w, then w² + 2·w·(length − w) (each further token
+        attends w tokens). The difference band(end) − band(start) is additive like end² − start²."""
+        w = self.sliding_window
+        if isinstance(length, np.ndarray):
+            return np.where(length <= w, length * length, 2.0 * w * length - w * w)
+        return length * length if length <= w else 2 * w * length - w * w
+
     def kv_bytes(self, num_tokens: int) -> int:
         """KV bytes of num_tokens tokens over all attention layers."""
         return self.kv_bytes_per_token * int(num_tokens)
@@ -287,7 +330,10 @@ class ModelProfile:
         except TypeError:
             s, e = float(start), float(end)
         n = e - s
-        return float(self.linear_flops_per_token * n + self.attention_score_flops_coeff * n * (e + s))
+        flops = self.linear_flops_per_token * n + self.attention_score_flops_coeff * n * (e + s)
+        if self.n_swa_layers:
+            flops += self.swa_score_flops_coeff * (self.swa_band(e) - self.swa_band(s))
+        return float(flops)
 
     def prefill_flops_array(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
         """Vectorised prefill_flops over broadcastable arrays of positions (float64 result)."""
@@ -298,25 +344,32 @@ class ModelProfile:
             i = np.unravel_index(int(np.argmax(bad)), bad.shape)
             _check_range(s[i], e[i])
         n = e - s
-        return self.linear_flops_per_token * n + self.attention_score_flops_coeff * n * (e + s)
+        flops = self.linear_flops_per_token * n + self.attention_score_flops_coeff * n * (e + s)
+        if self.n_swa_layers:
+            flops = flops + self.swa_score_flops_coeff * (self.swa_band(e) - self.swa_band(s))
+        return flops
 
     def prefill_flops_by_kind(self, start: int, end: int) -> dict[str, float]:
         """prefill_flops split by layer kind (attention includes its score term)."""
         _check_range(start, end)
         n, plus = float(end) - float(start), float(end) + float(start)
         per = self._per_layer()
-        return dict(
+        out = dict(
             attention=self.n_attention_layers * (per["attention_proj_flops_per_token"] * n
                                                  + per["attention_score_flops_coeff"] * n * plus),
             ssm=self.n_ssm_layers * per["ssm_flops_per_token"] * n,
             mlp=self.n_mlp_layers * per["mlp_flops_per_token"] * n,
             moe=self.n_moe_layers * per["moe_flops_per_token"] * n,
         )
+        if self.n_swa_layers:
+            out["swa_attention"] = (self.n_swa_layers * self.swa_attention.proj_flops_per_token() * n
+                                    + self.swa_score_flops_coeff * (self.swa_band(float(end)) - self.swa_band(float(start))))
+        return out
 
     def describe(self) -> dict:
         """JSON-able summary: layer counts, dtypes, bytes, FLOP coefficients, layer dims."""
         spec = lambda x: None if x is None else {"kind": getattr(x, "kind", type(x).__name__), **asdict(x)}
-        return dict(
+        out = dict(
             name=self.name, architecture=self.architecture, source=self.source, hidden_size=self.hidden_size,
             layers=dict(attention=self.n_attention_layers, ssm=self.n_ssm_layers, mlp=self.n_mlp_layers,
                         moe=self.n_moe_layers, ssm_kind=self.ssm.kind if self.ssm else None),
@@ -328,6 +381,12 @@ class ModelProfile:
             per_layer=self._per_layer(),
             attention=spec(self.attention), ssm=spec(self.ssm), mlp=spec(self.mlp), moe=spec(self.moe),
         )
+        if self.n_swa_layers:
+            out.update(sliding_window=self.sliding_window, swa_attention=spec(self.swa_attention),
+                       swa_kv_bytes_per_token=self.swa_kv_bytes_per_token,
+                       swa_score_flops_coeff=self.swa_score_flops_coeff)
+            out["layers"]["swa"] = self.n_swa_layers
+        return out
 
 
 # --- constructors --------------------------------------------------------------------------
@@ -338,6 +397,10 @@ def _from_inventory(inv: dict, name: str, source: str, ssm_dtype_bytes: int | No
     if inv.get("attention") and inv["attention"]["n_layers"]:
         a = dict(inv["attention"])
         parts.update(n_attention_layers=a.pop("n_layers"), attention=AttentionSpec(**a))
+    if inv.get("swa_attention") and inv["swa_attention"]["n_layers"]:
+        a = dict(inv["swa_attention"])
+        parts.update(n_swa_layers=a.pop("n_layers"), sliding_window=a.pop("sliding_window"),
+                     swa_attention=AttentionSpec(**a))
     if inv.get("ssm") and inv["ssm"]["n_layers"]:
         s = dict(inv["ssm"])
         n, kind = s.pop("n_layers"), s.pop("kind")

@@ -10,7 +10,9 @@ import os
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
     import kernel_patches
+    import page_major_attention  # torch_native on the unified-memory (page-major) KV layout
     import snapshot_platform  # Mamba state snapshots: the extra_buffer radix strategy on CPU
 
     snapshot_platform.add_to(kernel_patches.PATCHES)
+    page_major_attention.add_to(kernel_patches.PATCHES)
     kernel_patches.install()

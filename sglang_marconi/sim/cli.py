@@ -22,6 +22,7 @@ from pathlib import Path
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.model_profile import load_profile
 from sglang_marconi.policy.shadow_tuner import ShadowConfig, parse_alpha_grid, parse_seglen_weights
+from sglang_marconi.sim.cluster.cli import add_cluster_arguments, check_cluster_arguments, cluster_main
 from sglang_marconi.sim.hindsight import BEST, replay_best
 from sglang_marconi.sim.kv_blocks.registry import build_block_cache, is_kv_policy
 from sglang_marconi.sim.kv_blocks.replay import replay_blocks
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--with-requests", action="store_true", help="include per-request records in the JSON")
     p.add_argument("--no-progress", action="store_true")
+    add_cluster_arguments(p)  # --workers N --routers LIST: the cluster replay (sim/cluster)
     return p
 
 
@@ -210,6 +212,8 @@ def format_block_table(runs: list[RunResult], width: int = 18) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if check_cluster_arguments(args):
+            return cluster_main(args)
         runs = run(args)
     except MarconiError as exc:
         print(f"error: {exc}", file=sys.stderr)

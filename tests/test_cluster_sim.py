@@ -204,3 +204,26 @@ def test_cli_prints_one_row_per_router_policy_capacity(tmp_path, capsys):
 def test_build_router_names():
     for name in ROUTER_NAMES:
         assert build_router(name, 3).name == name
+
+
+def _bench_cluster():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_cluster.py"
+    spec = importlib.util.spec_from_file_location("bench_cluster", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_live_flag_delegates_to_the_live_script_or_says_it_is_missing(tmp_path, monkeypatch, capsys):
+    bench = _bench_cluster()
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    (tmp_path / "scripts").mkdir()
+    assert bench.main(["--live", "--workers", "2"]) == 2
+    assert capsys.readouterr().out.strip().count("\n") == 0  # one line: not available
+    (tmp_path / "scripts" / "bench_cluster_live.py").write_text(
+        "def main(argv):\n    print('live', argv)\n    return 7\n")
+    assert bench.main(["--live", "--workers", "2"]) == 7
+    assert "live ['--workers', '2']" in capsys.readouterr().out

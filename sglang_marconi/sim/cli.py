@@ -27,7 +27,8 @@ from sglang_marconi.sim.hindsight import BEST, replay_best
 from sglang_marconi.sim.kv_blocks.registry import build_block_cache, is_kv_policy
 from sglang_marconi.sim.kv_blocks.replay import replay_blocks
 from sglang_marconi.sim.kv_blocks.view import BlockTrace, block_trace
-from sglang_marconi.sim.policies import CAPACITY_FREE, build_policy, check_policy_name, split_policies
+from sglang_marconi.sim.policies import (CAPACITY_FREE, SWA_POLICY_NAMES, build_policy, check_policy_name,
+                                         split_policies)
 from sglang_marconi.sim.replay import RunResult, replay
 from sglang_marconi.sim.traces import MOONCAKE_TOKEN_MODES, load_workload
 from sglang_marconi.sim.tuning import shadow_config_for
@@ -97,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "first, confirmed by a hit (a prefix used exactly twice in a row then hits at the second use)")
     p.add_argument("--gpu", default="A100-80GB", help="GPU profile for the MODELED time to first token")
     p.add_argument("--limit", type=int, help="replay only the first N requests")
-    p.add_argument("--with-requests", action="store_true", help="include per-request records in the JSON")
+    p.add_argument("--with-requests", action="store_true",
+                   help="include per-request records in the JSON (sliding-window models: why each hit ended)")
+    p.add_argument("--swa-share", type=float,
+                   help="sliding-window models: the SWA KV pool's share of --capacity (a static split); "
+                        "default: furiosa's proportional split, one budget for sglang+ and marconi")
     p.add_argument("--no-progress", action="store_true")
     add_cluster_arguments(p)  # --workers N --routers LIST: the cluster replay (sim/cluster)
     return p
@@ -118,6 +123,8 @@ def run(args: argparse.Namespace) -> list[RunResult]:
     if blocks and not any(map(is_kv_policy, policies)):
         raise MarconiError("--capacity-blocks sizes only kv-* policies, and --policies names none")
     profile = load_profile(args.model)
+    if profile.has_sliding_window and args.policies == DEFAULT_POLICIES:
+        policies = list(SWA_POLICY_NAMES)  # the default list names policies that model no windows
     workload = load_workload(args.trace or args.workload or DEFAULT_WORKLOAD, args.mooncake_tokens)
     tuning = ShadowConfig(alpha_grid=args.alpha_grid, seglen_weights=args.seglen_weights, objective=args.objective,
                           epoch=args.tune_epoch, margin=args.tune_margin, sample_rate=args.tune_sample_rate or 1.0)
@@ -134,6 +141,8 @@ def run(args: argparse.Namespace) -> list[RunResult]:
         for capacity in capacities[:1] if policy_name in CAPACITY_FREE else capacities:
             replay_args = dict(gpu=args.gpu, progress=not args.no_progress, limit=args.limit)
             if policy_name == BEST:
+                if profile.has_sliding_window:
+                    raise MarconiError(f"{BEST} does not model sliding-window layers ({profile.name})")
                 runs.append(replay_best(workload, profile, capacity, tuning, checkpoint_grid=args.checkpoint_grid,
                                         probation=args.probation, **replay_args))
                 continue
@@ -141,8 +150,11 @@ def run(args: argparse.Namespace) -> list[RunResult]:
             if policy_name == "marconi" and args.alpha is None:  # tuned: the sample rate may depend on capacity
                 config = shadow_config_for(workload, profile, capacity, tuning, args.tune_sample_rate)
             policy = build_policy(policy_name, profile, capacity, alpha=args.alpha, block_size=args.block_size,
+                                  swa_share=args.swa_share,
                                   checkpoint_grid=args.checkpoint_grid, tuning=config, probation=args.probation)
             runs.append(replay(workload, policy, profile, capacity, **replay_args))
+            if hasattr(policy, "request_records"):  # SWA policies: hit-end reasons per request
+                runs[-1].per_request.update(policy.request_records())
     return runs
 
 

@@ -17,7 +17,9 @@ from sglang_marconi.sim.baselines.no_cache import NoCache
 from sglang_marconi.sim.baselines.vllm_plus import VllmPlusCache
 from sglang_marconi.sim.kv_blocks.registry import KV_POLICIES, is_kv_policy, parse_kv_spec
 
-POLICY_NAMES = ("none", "vllm+", "sglang+", "marconi", "marconi-best", "infinite")
+POLICY_NAMES = ("none", "vllm+", "sglang+", "marconi", "marconi-best", "infinite", "furiosa")
+# Policies a sliding-window (SWA) hybrid runs (`sim/baselines/swa_radix.py`); furiosa runs only there.
+SWA_POLICY_NAMES = ("none", "furiosa", "sglang+", "marconi", "infinite")
 # Policies whose result does not depend on the cache capacity: run once, not per capacity.
 CAPACITY_FREE = ("none", "infinite")
 
@@ -49,10 +51,17 @@ def check_policy_name(name: str) -> str:
 
 
 def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None = None, block_size: int = 32,
-                 checkpoint_grid: int = 1, tuning: ShadowConfig | None = None, probation: bool = False):
+                 checkpoint_grid: int = 1, tuning: ShadowConfig | None = None, probation: bool = False,
+                 swa_share: float | None = None):
     """`marconi` tunes alpha unless `alpha` is given; `marconi:A` always fixes alpha = A.
-    `probation`: SGLang+ and Marconi keep probationary states (`HybridPrefixCache`)."""
+    `probation`: SGLang+ and Marconi keep probationary states (`HybridPrefixCache`).
+    A model with sliding-window layers runs the SWA policies (`swa_share`: a static split of the
+    bytes between global and SWA KV; furiosa's default is proportional, the others' one budget)."""
     base, _, fixed = check_policy_name(name).partition(":")
+    if getattr(profile, "has_sliding_window", False) and base not in ("none", "infinite"):
+        return _build_swa_policy(name, base, fixed, profile, capacity_bytes, alpha, tuning, swa_share)
+    if base == "furiosa":
+        raise MarconiError(f"policy furiosa models sliding-window hybrids; {profile.name} has no sliding-window layers")
     if base == "marconi-best":
         raise MarconiError("marconi-best replays every candidate: use sim.hindsight.replay_best")
     if base == "none":
@@ -65,3 +74,17 @@ def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None
         return sglang_plus(profile, capacity_bytes, checkpoint_grid=checkpoint_grid, probation=probation)
     return marconi(profile, capacity_bytes, alpha=float(fixed) if fixed else alpha,
                    checkpoint_grid=checkpoint_grid, tuning=tuning, probation=probation)
+
+
+def _build_swa_policy(name, base, fixed, profile, capacity_bytes, alpha, tuning, swa_share):
+    from sglang_marconi.sim.baselines.swa_radix import furiosa, marconi_swa, sglang_plus_swa
+
+    if base not in SWA_POLICY_NAMES:
+        raise MarconiError(f"policy {name!r} does not model sliding-window layers ({profile.name}); "
+                           f"choose from {', '.join(SWA_POLICY_NAMES)} or marconi:ALPHA")
+    if base == "furiosa":
+        return furiosa(profile, capacity_bytes, swa_share=swa_share)
+    if base == "sglang+":
+        return sglang_plus_swa(profile, capacity_bytes, swa_share=swa_share)
+    return marconi_swa(profile, capacity_bytes, alpha=float(fixed) if fixed else alpha, swa_share=swa_share,
+                       tuning=tuning)

@@ -1,0 +1,442 @@
+"""Prefix cache for sliding-window (SWA) hybrids: a node's reusable state is made of components.
+
+Components, as in SGLang's unified cache: full KV (every global attention layer, per token: the
+tree's tokens themselves, so a node without it leaves the tree) and SWA KV (every SWA layer, per
+token, read again only for the `window` tokens before a reuse point). A node keeps its SWA KV as a
+suffix of its edge (`swa_len`): what any reuse point can need is a run of SWA KV ending there.
+
+A prefix of length p is reusable iff its tokens match, full KV holds all p of them, and SWA KV
+covers [max(0, p - window), p) contiguously. `verify_hit` checks exactly that, independently of
+how `lookup` found the hit, so a simulator can check every reported hit.
+
+What differs between policies is in `WindowRules`: which SWA KV a finished request keeps
+(admission), which candidates eviction may pick and how it ranks them, whether a hit refreshes
+the whole matched path, and one byte budget or a static split between global and SWA bytes
+(`swa_share`). `FURIOSA`, `SGLANG` and `MARCONI` are the three rule sets the simulator runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.radix_tree import Node, RadixTree, as_token_array
+
+# Why a hit ended where it did. A tree node without full KV leaves the tree, so a token match is
+# always backed by full KV here: "missing global KV" shows up as a token mismatch.
+HIT_END_REASONS = ("input_end", "token_mismatch", "broken_window")
+LEAF, WINDOW, TRIM = "leaf", "window", "trim"  # evict a whole leaf / only a node's SWA KV / SWA beyond one window
+
+
+@dataclass(frozen=True, slots=True)
+class WindowRules:
+    name: str
+    keep_all: bool  # keep the SWA KV of every computed token (Furiosa) or only the windows that can be reused
+    branch: str  # where a request keeps a window besides its end: "speculative" (Marconi) or "full_kv" (SGLang)
+    ranking: str  # "lru", or "flops": recency + alpha x FLOPs saved per byte freed (Marconi)
+    window_victims: str  # SWA-only evictions: "inner" (SGLang tombstones), "safe" (no branch's last window), "any"
+    refresh_path: bool  # a hit refreshes every matched node (LRU engines) or only the nodes it reads
+    stale_first: bool = False  # SWA KV beyond a node's last window is reclaimed before anything else (Furiosa)
+
+
+FURIOSA = WindowRules("furiosa", keep_all=True, branch="full_kv", ranking="lru", window_victims="any",
+                      refresh_path=True, stale_first=True)
+SGLANG = WindowRules("sglang+", keep_all=False, branch="full_kv", ranking="lru", window_victims="inner",
+                     refresh_path=True)
+MARCONI = WindowRules("marconi", keep_all=False, branch="speculative", ranking="flops", window_victims="safe",
+                      refresh_path=False)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowLookup:
+    hit_tokens: int  # reusable prefix: full KV for all of it, an intact window at its end
+    overlap_tokens: int  # tokens of the input present in the tree (full KV), reusable or not
+    branch_at: int | None  # where this request keeps an extra window (a branch point), if anywhere
+    end_reason: str  # one of HIT_END_REASONS
+
+
+@dataclass(slots=True)
+class WindowCounters:
+    evictions_leaf: int = 0
+    evictions_window: int = 0  # SWA KV dropped from a node that stays (a tombstone)
+    window_trims: int = 0  # SWA KV beyond a node's last window dropped
+    windows_admitted: int = 0
+
+
+class _Candidates:
+    """Dense columns of the eviction candidates (recency, value, leaf?, SWA tokens) for numpy argmins."""
+
+    def __init__(self):
+        self.items: list[Node] = []
+        self.cols = np.zeros((4, 256))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def put(self, node: Node, row: tuple[float, float, float, float]) -> None:
+        if node.slot < 0:
+            node.slot = len(self.items)
+            if node.slot == self.cols.shape[1]:
+                self.cols = np.concatenate((self.cols, np.zeros_like(self.cols)), axis=1)
+            self.items.append(node)
+        self.cols[:, node.slot] = row
+
+    def drop(self, node: Node) -> None:
+        slot, last = node.slot, len(self.items) - 1
+        if slot < 0:
+            return
+        if slot != last:
+            moved = self.items[last]
+            self.items[slot] = moved
+            self.cols[:, slot] = self.cols[:, last]
+            moved.slot = slot
+        self.items.pop()
+        node.slot = -1
+
+
+def _minmax(x: np.ndarray) -> np.ndarray:
+    span = x.max() - x.min()
+    return (x - x.min()) / span if span > 0 else np.zeros(len(x))
+
+
+class WindowPrefixCache:
+    def __init__(self, profile, capacity_bytes: int, rules: WindowRules, *, alpha: float = 0.0,
+                 swa_share: float | None = None):
+        if not getattr(profile, "has_sliding_window", False):
+            raise MarconiError(f"model {profile.name} has no sliding-window layers: use HybridPrefixCache")
+        if profile.n_ssm_layers:
+            raise MarconiError(f"model {profile.name} mixes SSM and sliding-window layers: not supported yet")
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, (int, np.integer)) or capacity_bytes <= 0:
+            raise MarconiError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
+        if swa_share is not None and not 0 < swa_share < 1:
+            raise MarconiError(f"swa_share must be in (0, 1) (the SWA pool's share of the bytes), got {swa_share!r}")
+        self.profile, self.rules, self.alpha = profile, rules, float(alpha)
+        self.window = int(profile.sliding_window)
+        self.full_bpt, self.swa_bpt = int(profile.kv_bytes_per_token), int(profile.swa_kv_bytes_per_token)
+        self.capacity_bytes, self.swa_share = int(capacity_bytes), swa_share
+        if swa_share is None:
+            self.full_cap = self.swa_cap = None
+        else:
+            self.swa_cap = int(capacity_bytes * swa_share)
+            self.full_cap = self.capacity_bytes - self.swa_cap
+        if (self.swa_cap if swa_share is not None else self.capacity_bytes) < self.window * self.swa_bpt:
+            raise MarconiError(f"capacity {capacity_bytes} bytes (swa_share={swa_share}) holds no SWA window of "
+                               f"{self.window} tokens ({self.window * self.swa_bpt} bytes on {profile.name})")
+        self.tree = RadixTree(1)
+        self.swa_len: dict[int, int] = {}  # node id -> SWA KV tokens at the end of its edge
+        self.full_tokens = 0
+        self.swa_tokens = 0
+        self.clock = 0.0
+        self.counters = WindowCounters()
+        self._cand = _Candidates()
+
+    # -- accounting ------------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self.full_tokens * self.full_bpt + self.swa_tokens * self.swa_bpt
+
+    def _pressure(self) -> str | None:
+        if self.swa_share is None:
+            return "any" if self.used_bytes > self.capacity_bytes else None
+        if self.full_tokens * self.full_bpt > self.full_cap:
+            return "full"
+        return "swa" if self.swa_tokens * self.swa_bpt > self.swa_cap else None
+
+    # -- coverage ----------------------------------------------------------------------------------
+    def _swa(self, node: Node) -> int:
+        return self.swa_len.get(node.id, 0)
+
+    def _run_at_end(self, node: Node) -> int:
+        """Contiguous SWA tokens ending at node.end (walking up while whole edges are covered)."""
+        run = 0
+        while node is not self.tree.root:
+            s = self._swa(node)
+            run += s
+            if s < len(node.tokens) or run >= self.window:
+                break
+            node = node.parent
+        return run
+
+    def _valid_in(self, node: Node, p: int, run_above: int) -> bool:
+        """Whether position p in (node.start, node.end] has an intact window; run_above is the
+        SWA run ending at node.start."""
+        s, lo = self._swa(node), node.end - self._swa(node)
+        if p <= lo:
+            return False
+        run = p - lo + (run_above if s == len(node.tokens) else 0)
+        return run >= min(self.window, p)
+
+    def verify_hit(self, input_tokens, hit: int) -> None:
+        """Raise MarconiError unless the first `hit` tokens of the input are reusable now: tokens
+        and full KV in the tree, SWA KV covering the window before `hit`."""
+        if hit == 0:
+            return
+        seq = as_token_array(input_tokens)
+        if hit >= len(seq):
+            raise MarconiError(f"hit of {hit} tokens leaves none of the {len(seq)}-token input to prefill")
+        walk = self.tree.walk(seq[:hit])
+        if walk.overlap < hit:
+            raise MarconiError(f"hit of {hit} tokens but only {walk.overlap} are cached with full KV")
+        nodes = walk.path + ([walk.partial] if walk.partial is not None else [])
+        node = nodes[-1]
+        # the SWA run ending at hit: inside `node` up to `hit`, then whole edges above
+        s, lo = self._swa(node), node.end - self._swa(node)
+        run = max(0, hit - lo)
+        if s == len(node.tokens) and hit > lo and run < self.window:
+            run += self._run_at_end(node.parent) if node.parent is not self.tree.root else 0
+        if run < min(self.window, hit):
+            raise MarconiError(f"hit of {hit} tokens ends on a broken window: {run} contiguous SWA tokens "
+                               f"before it, {min(self.window, hit)} needed")
+
+    # -- request API -------------------------------------------------------------------------------
+    def lookup(self, input_tokens) -> WindowLookup:
+        seq = as_token_array(input_tokens)
+        walk = self.tree.walk(seq)
+        limit = len(seq) - 1
+        end = min(walk.overlap, limit)
+        nodes = walk.path + ([walk.partial] if walk.partial is not None else [])
+        hit, run_above, hit_node = 0, 0, None
+        for node in nodes:
+            p = min(node.end, end)
+            if p <= node.start:
+                break
+            if self._valid_in(node, p, run_above):
+                hit, hit_node = p, node
+            s = self._swa(node)
+            run_above = s + run_above if s == len(node.tokens) else s
+        reason = "input_end" if hit == limit else "token_mismatch" if hit == walk.overlap else "broken_window"
+        self._touch_hit(walk.path, nodes, hit)
+        return WindowLookup(hit, walk.overlap, self._branch(walk, hit, end), reason)
+
+    def _branch(self, walk, hit: int, end: int) -> int | None:
+        if self.rules.branch == "full_kv":  # SGLang: any full-KV match beyond the reusable window
+            return end if end > hit else None
+        # Marconi: where inserting the input creates a branch (mid-edge, or a new sibling under a
+        # node with children whose end has no window)
+        if walk.partial is None:
+            node = walk.last
+            if node is None or not node.children or self._run_at_end(node) >= min(self.window, node.end):
+                return None
+        return end if end > hit else None
+
+    def _touch_hit(self, path: list[Node], nodes: list[Node], hit: int) -> None:
+        self.clock += 1.0
+        if self.rules.refresh_path:
+            touched = path
+        else:  # only what the hit reads: the nodes spanning its window
+            touched = [n for n in nodes if n.start < hit and n.end > hit - self.window]
+        for node in touched:
+            node.last_access = self.clock
+            self._refresh(node)
+
+    def admit(self, sequence, lookup: WindowLookup) -> int:
+        """Cache a finished request (input + output) after `lookup`; evict to fit. Returns the
+        number of SWA windows kept."""
+        seq = as_token_array(sequence)
+        n, hit, w = len(seq), lookup.hit_tokens, self.window
+        points = [n]
+        if lookup.branch_at is not None and hit < lookup.branch_at < n:
+            points.append(lookup.branch_at)
+        walk = self.tree.walk(seq)
+        node = walk.last or self.tree.root
+        if walk.partial is not None:
+            node = self._split(walk.partial, walk.partial_len)
+        if walk.overlap < n:
+            node = self._add_leaf(node, seq[walk.overlap:])
+        end_node = node
+        ranges = [(hit, n, end_node)] if self.rules.keep_all else []
+        if not self.rules.keep_all:
+            for q in points:  # only the request's computed tokens [hit, n) can be kept
+                ranges.append((max(hit, q - w), q, end_node if q == n else self._node_at(seq, q)))
+        self.clock += 1.0
+        for lo, _, at in ranges:
+            self._cover(at, lo)
+        self.counters.windows_admitted += len(ranges)
+        self._lock(end_node, +1)
+        try:
+            self._make_room(locked=True)
+        finally:
+            self._lock(end_node, -1)
+        self._make_room(locked=False)  # a request larger than the cache: its own nodes go too
+        return len(ranges)
+
+    def serve(self, input_tokens, output_tokens=()) -> tuple[WindowLookup, int]:
+        inp = as_token_array(input_tokens)
+        lookup = self.lookup(inp)
+        seq = np.concatenate((inp, np.asarray(output_tokens, dtype=np.int64)))
+        return lookup, self.admit(seq, lookup)
+
+    # -- tree edits ------------------------------------------------------------------------------
+    def _cover(self, node: Node, lo: int) -> None:
+        """Make SWA KV present for [lo, node.end) along node and its ancestors."""
+        while node is not self.tree.root and node.end > lo:
+            need = min(len(node.tokens), node.end - lo)
+            s = self._swa(node)
+            if need > s:
+                self.swa_len[node.id] = need
+                self.swa_tokens += need - s
+            node.last_access = self.clock
+            self._refresh(node)
+            self._refresh(node.parent)
+            if need < len(node.tokens):
+                break
+            node = node.parent
+
+    def _split(self, child: Node, k: int) -> Node:
+        s = self._swa(child)
+        head = self.tree.split(child, k)
+        tail_len = len(child.tokens)
+        self.swa_len[child.id] = min(s, tail_len)
+        if s > tail_len:
+            self.swa_len[head.id] = s - tail_len
+        self._refresh(head)
+        self._refresh(child)
+        self._refresh(head.parent)
+        return head
+
+    def _node_at(self, seq: np.ndarray, pos: int) -> Node:
+        walk = self.tree.walk(seq[:pos])
+        assert walk.overlap == pos, "kept windows lie on the inserted path"
+        return self._split(walk.partial, walk.partial_len) if walk.partial else walk.last
+
+    def _add_leaf(self, parent: Node, tokens: np.ndarray) -> Node:
+        leaf = self.tree.add_leaf(parent, tokens)
+        self.full_tokens += len(tokens)
+        leaf.last_access = self.clock
+        self._refresh(leaf)
+        self._refresh(parent)
+        return leaf
+
+    def _lock(self, node: Node, delta: int) -> None:
+        while node is not self.tree.root:
+            node.lock_count += delta
+            self._refresh(node)
+            node = node.parent
+
+    def _compress(self, node: Node) -> None:
+        # a node with no SWA KV and one child holds nothing an eviction could free: fold it away
+        if (node is not self.tree.root and node.lock_count == 0 and not self._swa(node)
+                and len(node.children) == 1):
+            self._cand.drop(node)
+            self.swa_len.pop(node.id, None)
+            child = self.tree.merge_into_child(node)
+            self._refresh(child)
+
+    # -- eviction --------------------------------------------------------------------------------
+    def _make_room(self, locked: bool) -> None:
+        while (pool := self._pressure()) is not None:
+            victim = self._choose(pool)
+            if victim is None:
+                if locked:
+                    return  # only the request's own nodes are left: the unlocked pass takes them
+                raise AssertionError(f"over budget with no eviction candidate ({pool})")
+            self._evict(*victim)
+
+    def _evict(self, node: Node, action: str) -> None:
+        s = self._swa(node)
+        if action == LEAF:
+            self._cand.drop(node)
+            self.swa_len.pop(node.id, None)
+            self.full_tokens -= len(node.tokens)
+            self.swa_tokens -= s
+            parent = self.tree.remove_leaf(node)
+            self.counters.evictions_leaf += 1
+            self._refresh(parent)
+            self._compress(parent)
+            return
+        keep = self.window if action == TRIM else 0
+        self.swa_len[node.id] = keep
+        self.swa_tokens -= s - keep
+        if action == TRIM:
+            self.counters.window_trims += 1
+        else:
+            self.counters.evictions_window += 1
+        self._refresh(node)
+        self._refresh(node.parent)
+        self._compress(node)
+
+    def _choose(self, pool: str) -> tuple[Node, str] | None:
+        c = self._cand
+        n = len(c)
+        if not n:
+            return None
+        last, value, is_leaf, swa = c.cols[:, :n]
+        leaf = is_leaf > 0
+        if pool == "full":
+            mask = leaf
+        elif pool == "swa":
+            mask = swa > 0
+        else:
+            mask = np.ones(n, dtype=bool)
+        if self.rules.stale_first and pool != "full":
+            stale = mask & (swa > self.window)
+            if stale.any():
+                return c.items[int(np.where(stale, last, np.inf).argmin())], TRIM
+        if not mask.any():
+            return None
+        if self.rules.ranking == "flops" and self.alpha:
+            idx = np.flatnonzero(mask)
+            score = _minmax(last[idx]) * (1.0 + 1e-12) + self.alpha * _minmax(value[idx])
+            i = int(idx[int(score.argmin())])
+        else:
+            i = int(np.where(mask, last, np.inf).argmin())
+        node = c.items[i]
+        if leaf[i] and not (self.rules.window_victims == "any" and pool == "swa"):
+            return node, LEAF
+        return node, WINDOW
+
+    def _window_victim(self, node: Node) -> bool:
+        """Whether eviction may drop only `node`'s SWA KV (keeping its full KV)."""
+        if not self._swa(node):
+            return False
+        mode = self.rules.window_victims
+        if mode == "any":
+            return True
+        if not node.children:
+            return False  # a leaf's SWA is its branch's last window: the leaf goes whole
+        if mode == "inner":
+            return True
+        # Marconi: never tombstone inside the last window of a branch (SGLang #35515): a child
+        # whose run of SWA reaches into this node needs this node's SWA for its own window.
+        for child in node.children.values():
+            if self._swa(child) == len(child.tokens) and len(child.tokens) < self.window:
+                return False
+        return True
+
+    def _value(self, node: Node, leaf: bool) -> float:
+        """FLOPs saved by a hit at node.end rather than at its parent's end, per byte freed."""
+        if self.rules.ranking != "flops":
+            return 0.0
+        if self._run_at_end(node) < min(self.window, node.end):
+            return 0.0  # nothing can hit here: free it first
+        freed = self._swa(node) * self.swa_bpt + (len(node.tokens) * self.full_bpt if leaf else 0)
+        return self.profile.prefill_flops(node.parent.end, node.end) / freed if freed else 0.0
+
+    def _refresh(self, node: Node) -> None:
+        if node is self.tree.root or node.parent is None:
+            return
+        leaf = not node.children
+        if node.lock_count or not (leaf or self._window_victim(node)):
+            self._cand.drop(node)
+            return
+        self._cand.put(node, (node.last_access, self._value(node, leaf), float(leaf), float(self._swa(node))))
+
+    # -- checking --------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any bookkeeping disagrees with the tree or the budget."""
+        full = swa = 0
+        for node in self.tree.nodes():
+            full += len(node.tokens)
+            s = self._swa(node)
+            assert 0 <= s <= len(node.tokens), node
+            swa += s
+            assert node.end == node.parent.end + len(node.tokens), node
+            assert self._swa(node) or len(node.children) != 1 or node.lock_count, f"uncompressed {node!r}"
+            if node.slot >= 0:
+                assert self._cand.items[node.slot] is node
+        assert (full, swa) == (self.full_tokens, self.swa_tokens), ((full, swa), (self.full_tokens, self.swa_tokens))
+        live = {n.id for n in self.tree.nodes()}
+        assert all(i in live for i, s in self.swa_len.items() if s), "SWA KV on a node outside the tree"
+        assert self._pressure() is None, "over budget"

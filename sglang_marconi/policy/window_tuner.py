@@ -1,0 +1,81 @@
+"""Online alpha tuning for the sliding-window cache, with the shadow tuner's evidence.
+
+One shadow `WindowPrefixCache` per alpha of the grid (alpha 0: recency alone over Marconi's
+candidates, the safe start) sees the sampled sessions at capacity x sample rate. What each saved
+on each request goes into the shadow tuner's `Evidence` (decayed long and short windows,
+session-clustered errors, two halves of the clusters). Every `epoch` sampled requests:
+- guard: a live alpha other than the start goes back to it as soon as the start leads it over the
+  short window (`guard_margin`, `guard_z`);
+- adoption: the long-window leader (near-ties, within `tie`, to the larger alpha) replaces the live
+  alpha if it leads it by `margin` and `z` clustered errors in both halves, and no switch happened
+  within `dwell` sampled requests.
+Decisions depend only on the request stream. The caller adopts a returned alpha.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from sglang_marconi.policy.sampling import session_in_sample
+from sglang_marconi.policy.shadow_tuner import LONG, SHORT, Evidence, ShadowConfig
+from sglang_marconi.policy.window_cache import WindowPrefixCache, WindowRules
+
+
+class WindowTuner:
+    def __init__(self, profile, capacity_bytes: int, rules: WindowRules, config: ShadowConfig = ShadowConfig(),
+                 swa_share: float | None = None):
+        self.profile, self.config = profile, config
+        self.choices = tuple(config.alpha_grid)
+        rate = config.sample_rate
+        # a shadow must hold a few windows whatever the sample rate
+        floor = math.ceil(4 * profile.sliding_window * profile.swa_kv_bytes_per_token / (swa_share or 1.0))
+        capacity = max(int(capacity_bytes * rate), floor)
+        self.shadows = [WindowPrefixCache(profile, capacity, rules, alpha=a, swa_share=swa_share)
+                        for a in self.choices]
+        self.evidence = Evidence(len(self.choices), (config.half_life, config.guard_half_life))
+        self.current = 0
+        self.decisions: list[tuple[int, float]] = []  # (requests seen, alpha adopted)
+        self.requests = self.sampled = 0
+        self._since_switch = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.choices[self.current]
+
+    def observe(self, session_key: str, input_tokens, output_tokens) -> float | None:
+        self.requests += 1
+        if not session_in_sample(str(session_key), self.config.sample_rate):
+            return None
+        self.sampled += 1
+        self._since_switch += 1
+        inp = np.asarray(input_tokens, dtype=np.int64)
+        hits = [shadow.serve(inp, output_tokens)[0].hit_tokens for shadow in self.shadows]
+        if self.config.objective == "flops":
+            whole = self.profile.prefill_flops(0, len(inp))
+            gains = np.array([whole - self.profile.prefill_flops(h, len(inp)) for h in hits])
+        else:
+            whole, gains = float(len(inp)), np.asarray(hits, dtype=float)
+        self.evidence.add(str(session_key), gains, whole)
+        if self.sampled % self.config.epoch:
+            return None
+        return self._decide()
+
+    def _decide(self) -> float | None:
+        c, ev, cur = self.config, self.evidence, self.current
+        if cur and ev.lead(0, cur, SHORT, c.guard_margin, c.guard_z):
+            return self._switch(0)
+        scores = ev.scores[LONG]
+        leader = int(np.flatnonzero(scores >= scores.max() - c.tie * ev.potential[LONG])[-1])
+        if leader == cur or self._since_switch < c.dwell:
+            return None
+        if ev.lead(leader, cur, LONG, c.margin, c.z) and (cur == 0 or ev.lead(leader, 0, LONG, c.margin, 0.0, False)):
+            return self._switch(leader)
+        return None
+
+    def _switch(self, index: int) -> float:
+        self.current = index
+        self._since_switch = 0
+        self.decisions.append((self.requests, self.alpha))
+        return self.alpha

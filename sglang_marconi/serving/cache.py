@@ -83,4 +83,20 @@ def marconi_cache_class():
             if index is not None:
                 index.detach()
 
+    _install_kv_state_events()
     return MarconiUnifiedRadixCache
+
+
+def _install_kv_state_events():
+    # SSM-state events beside SGLang's KV events (kv_events.py): hooked where the cache class is
+    # built, in each scheduler process, before its publisher first runs. A failure costs the
+    # state events only.
+    try:
+        from sglang_marconi.serving.kv_events import install_hooks
+
+        install_hooks()
+    except Exception as exc:  # noqa: BLE001
+        import logging
+
+        logging.getLogger("sglang_marconi").warning("Marconi: no SSM-state KV events (%s: %s)",
+                                                    type(exc).__name__, exc)

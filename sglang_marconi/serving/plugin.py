@@ -21,10 +21,11 @@ runtime and no tuner process, logs one warning naming the flag, and `/server_inf
   any `--radix-cache-backend`; kept here in case that check moves);
 - `--radix-eviction-policy` other than `lru`: an explicit choice of upstream's victim order,
   which Marconi's own eviction would override;
-- `--enable-unified-memory`: full KV and Mamba states share one byte buffer, while the shadow
-  tuner and the admission's slot reservation model two separate pools (one budget is future work);
 - `--speculative-algorithm` EAGLE / NEXTN (`params.is_eagle`): bigram tree keys and draft Mamba
   states, against which admission and the eviction index have not been verified.
+`--enable-unified-memory` is served: full KV and Mamba states share one byte buffer, the shadow
+tuner models that one budget (`runtime.shadow_budget`), and a byte shortfall of either kind picks
+its victim across both kinds (`unified_memory.py`).
 Each is read where SGLang's factory reads it (`ctx.enable_hierarchical_cache`,
 `ctx.params.enable_session_radix_cache`, `ctx.params.eviction_policy`, `get_memory()`).
 """
@@ -95,9 +96,6 @@ def upstream_only_flags(ctx) -> list[str]:
     if getattr(ctx.params, "enable_session_radix_cache", False):
         flags.append("--enable-session-radix-cache")
     flags += [flag for flag, name in _MEMORY_FLAGS if _memory_flag(ctx, name)]
-    if _memory_flag(ctx, "enable_unified_memory"):
-        # One byte buffer for KV and Mamba states: the shadow tuner models two separate pools.
-        flags.append("--enable-unified-memory")
     if getattr(ctx.params, "is_eagle", False):
         # EAGLE / NEXTN key the tree by bigrams and track draft Mamba states: admission and the
         # eviction index are not verified there (no CPU build to test them on).
@@ -128,11 +126,16 @@ def marconi_radix_cache_factory(ctx):
 
     from sglang_marconi.serving.config import MarconiServingConfig
 
-    if not ctx.is_hybrid_ssm or ctx.disable_radix_cache:
+    swa_only = getattr(ctx, "is_hybrid_swa", False) and not ctx.is_hybrid_ssm and ctx.full_tokens_per_layer != 0
+    if not (ctx.is_hybrid_ssm or swa_only) or ctx.disable_radix_cache:
         return default_radix_cache_factory(ctx)
     blockers = upstream_only_flags(ctx)
     if blockers:
         return upstream_cache(ctx, f"Marconi cannot act with {', '.join(blockers)}")
+    if swa_only:  # global + sliding-window attention, no SSM layers (serving/swa_component.py)
+        from sglang_marconi.serving.swa_component import marconi_swa_radix_cache_factory
+
+        return marconi_swa_radix_cache_factory(ctx, MarconiServingConfig.from_env(), upstream_cache)
     profile, why = _profile_or_reason(ctx.model_config.hf_config)
     if profile is None:
         return upstream_cache(ctx, why)
@@ -147,7 +150,12 @@ def marconi_radix_cache_factory(ctx):
         **(ctx.params.component_registry_override or {}),
         **marconi_component_overrides(settings, mamba_mixins=mixins),
     }
-    cache = create_unified_radix_cache(ctx, cache_class=marconi_cache_class())
+    cache_class = marconi_cache_class()
+    if _memory_flag(ctx, "enable_unified_memory"):  # one byte buffer for KV and Mamba states
+        from sglang_marconi.serving.unified_memory import one_budget_cache_class
+
+        cache_class = one_budget_cache_class()
+    cache = create_unified_radix_cache(ctx, cache_class=cache_class)
     from sglang_marconi.serving.lockstep import RankGroup
 
     runtime = attach_runtime(cache, settings, config, group=RankGroup.from_cache_params(ctx.params))
@@ -170,6 +178,7 @@ def attach_runtime(cache, settings, config, group=None):
     grid = cache.components[_mamba()].mamba_checkpoint_grid
     cache.marconi_settings = settings
     cache.marconi_config = config
+    settings.probation = bool(config.admission and config.probation)
     cache.marconi_eager_index_upkeep = bool(config.admission)
     cache.marconi_runtime = MarconiRuntime(cache, settings, config, checkpoint_grid=grid, group=group)
     return cache.marconi_runtime

@@ -163,8 +163,15 @@ PATCHES = {
 
 
 def add_to(patches: dict) -> None:
-    """Join PATCHES to `kernel_patches.PATCHES` (no module is patched by both)."""
+    """Join PATCHES to `kernel_patches.PATCHES`: a module patched there too gets both patches,
+    the one already there first (each wraps what it finds)."""
     for name, patch in PATCHES.items():
-        if name in patches:
-            raise ValueError(f"page_major_attention: {name} is already patched")
-        patches[name] = patch
+        first = patches.get(name)
+        if first is None:
+            patches[name] = patch
+        else:
+            def both(module, first=first, second=patch):
+                first(module)
+                second(module)
+
+            patches[name] = both

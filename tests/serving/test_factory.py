@@ -127,7 +127,6 @@ def state_entry(cache):
      lambda cache: type(cache.tree_core.eviction_strategy).__name__ == "LFUStrategy"),
     (dict(radix_eviction_policy="fifo"), "--radix-eviction-policy fifo",
      lambda cache: type(cache.tree_core.eviction_strategy).__name__ == "FIFOStrategy"),
-    (dict(enable_unified_memory=True), "--enable-unified-memory", lambda cache: True),
     (dict(is_eagle=True), "--speculative-algorithm", lambda cache: True),
 ])
 def test_flag_marconi_cannot_act_with_gets_upstreams_cache(caplog, server_args, flag, check):

@@ -36,11 +36,11 @@ class RankView:
     sizes: set = field(default_factory=set)  # block lengths seen (pages; a node's last may be shorter)
     last_seq: Optional[int] = None
     gaps: int = 0
-    events: int = 0
+    counts: dict = field(default_factory=dict)  # event type -> events applied
 
     def apply(self, event: dict) -> None:
         kind = event.get("type")
-        self.events += 1
+        self.counts[kind] = self.counts.get(kind, 0) + 1
         if kind == "BlockStored":
             if event.get("medium") not in _DEVICE_MEDIA:
                 return

@@ -205,8 +205,18 @@ def add_kv_events_state(result, controller, state, *args, **kwargs):
             entry["reusable_points"] = sorted([h, n] for h, n in tree_reusable_points(cache).items())
         except Exception as exc:  # a readback must not fail the scheduler
             entry["reusable_points_error"] = f"{type(exc).__name__}: {exc}"
+    entry["dp_rank"] = _dp_rank()
     state["marconi_kv_events"] = entry
     return result
+
+
+def _dp_rank() -> int:
+    # The rank SGLang offsets this scheduler's publisher port by (`select_kv_publisher_dp_rank`).
+    from sglang.srt.disaggregation.kv_events import select_kv_publisher_dp_rank
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return select_kv_publisher_dp_rank(parallel.attn_dp_size, parallel.attn_dp_rank, parallel.dp_rank)
 
 
 _installed = False

@@ -131,6 +131,9 @@ class WindowPrefixCache:
         self.clock = 0.0
         self.counters = WindowCounters()
         self._cand = _Candidates()
+        # node id -> whether a child's window reaches into it (Marconi's rule), recomputed only
+        # after one of its children changes (hub nodes have thousands of children)
+        self._needed_by_child: dict[int, bool] = {}
 
     # -- accounting ------------------------------------------------------------------------------
     @property
@@ -277,6 +280,7 @@ class WindowPrefixCache:
             if need > s:
                 self.swa_len[node.id] = need
                 self.swa_tokens += need - s
+                self._needed_by_child.pop(node.parent.id, None)
             node.last_access = self.clock
             self._refresh(node)
             self._refresh(node.parent)
@@ -286,6 +290,7 @@ class WindowPrefixCache:
 
     def _split(self, child: Node, k: int) -> Node:
         s = self._swa(child)
+        self._needed_by_child.pop(child.parent.id, None)
         head = self.tree.split(child, k)
         tail_len = len(child.tokens)
         self.swa_len[child.id] = min(s, tail_len)
@@ -303,6 +308,7 @@ class WindowPrefixCache:
 
     def _add_leaf(self, parent: Node, tokens: np.ndarray) -> Node:
         leaf = self.tree.add_leaf(parent, tokens)
+        self._needed_by_child.pop(parent.id, None)
         self.full_tokens += len(tokens)
         leaf.last_access = self.clock
         self._refresh(leaf)
@@ -312,7 +318,10 @@ class WindowPrefixCache:
     def _lock(self, node: Node, delta: int) -> None:
         while node is not self.tree.root:
             node.lock_count += delta
-            self._refresh(node)
+            if node.lock_count:
+                self._cand.drop(node)
+            else:
+                self._refresh(node)
             node = node.parent
 
     def _compress(self, node: Node) -> None:
@@ -321,6 +330,8 @@ class WindowPrefixCache:
                 and len(node.children) == 1):
             self._cand.drop(node)
             self.swa_len.pop(node.id, None)
+            self._needed_by_child.pop(node.id, None)
+            self._needed_by_child.pop(node.parent.id, None)
             child = self.tree.merge_into_child(node)
             self._refresh(child)
 
@@ -336,7 +347,9 @@ class WindowPrefixCache:
 
     def _evict(self, node: Node, action: str) -> None:
         s = self._swa(node)
+        self._needed_by_child.pop(node.parent.id, None)
         if action == LEAF:
+            self._needed_by_child.pop(node.id, None)
             self._cand.drop(node)
             self.swa_len.pop(node.id, None)
             self.full_tokens -= len(node.tokens)
@@ -400,10 +413,12 @@ class WindowPrefixCache:
             return True
         # Marconi: never tombstone inside the last window of a branch (SGLang #35515): a child
         # whose run of SWA reaches into this node needs this node's SWA for its own window.
-        for child in node.children.values():
-            if self._swa(child) == len(child.tokens) and len(child.tokens) < self.window:
-                return False
-        return True
+        needed = self._needed_by_child.get(node.id)
+        if needed is None:
+            w, swa = self.window, self.swa_len
+            needed = any(len(c.tokens) < w and swa.get(c.id, 0) == len(c.tokens) for c in node.children.values())
+            self._needed_by_child[node.id] = needed
+        return not needed
 
     def _value(self, node: Node, leaf: bool) -> float:
         """FLOPs saved by a hit at node.end rather than at its parent's end, per byte freed."""

@@ -227,7 +227,8 @@ def main(argv=None) -> int:
     try:
         model = (Path(args.model_path).resolve() if args.model_path else
                  write_tiny_model(args.kind, Path(args.model_dir or tempfile.mkdtemp()) / DIR_NAMES[args.kind]))
-        threads = max(1, len(os.sched_getaffinity(0)) // args.workers)
+        # The workers split this machine's cores, unless OMP_NUM_THREADS says otherwise.
+        threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, len(os.sched_getaffinity(0)) // args.workers))
         for port in ports[1:]:
             started.append(spawn_worker(model, port, launcher=args.launcher, extra_args=worker_args,
                                         log_path=None, threads=threads))

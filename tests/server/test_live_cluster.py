@@ -2,8 +2,9 @@
 `scripts/serve_cluster.sh`, on this CPU.
 
 - Multi-turn sessions and many users sharing a system prompt, sent through the gateway, reach at
-  least 90% of the hit tokens a fresh single server gets on the same request sequence, with both
-  workers serving (the gateway names the worker of each response; the workers' own counters agree).
+  least 90% of the hit tokens a fresh single server gets on the same request sequence (the worker
+  of a one-worker cluster, asked directly), with both workers serving (the gateway names the worker
+  of each response; the workers' own counters agree).
 - Warm == cold through the gateway: a hit gives the tokens and logprobs the same prompt gives on
   cold caches, and different prompts give different outputs.
 - The script stops every process it started (all descendants gone, every port closed) on SIGTERM
@@ -80,6 +81,9 @@ def _port_free(port: int) -> bool:
     return True
 
 
+_HANDED_OUT: set[int] = set()  # ports given to clusters not yet listening on them
+
+
 def _free_ports(n: int) -> tuple[int, int]:
     """A gateway port and the first of n consecutive free worker ports."""
     from live_server import free_port
@@ -87,7 +91,8 @@ def _free_ports(n: int) -> tuple[int, int]:
     while True:
         gateway, base = free_port(), free_port()
         ports = [gateway, *range(base, base + n)]
-        if len(set(ports)) == n + 1 and all(_port_free(p) for p in ports):
+        if len(set(ports)) == n + 1 and not _HANDED_OUT & set(ports) and all(_port_free(p) for p in ports):
+            _HANDED_OUT.update(ports)
             return gateway, base
 
 
@@ -104,7 +109,7 @@ class ScriptCluster:
         self.script = subprocess.Popen(
             ["bash", str(ROOT / "scripts" / "serve_cluster.sh"), "--workers", str(workers), "--port", str(self.port),
              "--worker-base-port", str(self.base), *(["--model-path", str(model_path)] if model_path else [])],
-            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT,
+            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
         log.close()
 
@@ -141,36 +146,31 @@ def wait_until(predicate, timeout_s: float, what: str):
 
 
 @pytest.fixture(scope="module")
-def cluster_and_reference(tiny_model, tmp_path_factory):
-    """The cluster from serve_cluster.sh and, started alongside, one reference server with the same
-    model and worker flags."""
-    from cluster_server import spawn_worker, wait_ready
-    from live_server import free_port
-
+def clusters(tiny_model, tmp_path_factory):
+    """Two clusters from serve_cluster.sh, started at once on one model: two workers (the cluster
+    under test), and one worker whose server, asked directly, is the single-server reference (then
+    its script is stopped with Ctrl-C). One OpenMP thread per server: the same numerics in each."""
     logs = tmp_path_factory.mktemp("cluster-logs")
     model = tiny_model("gated-delta")
-    cluster = ScriptCluster(WORKERS, logs / "serve_cluster.log", model)
-    reference = spawn_worker(model, free_port(), log_path=logs / "reference.log",
-                             threads=1, hard_limit_s=1800)
+    started = [ScriptCluster(WORKERS, logs / "cluster.log", model), ScriptCluster(1, logs / "single.log", model)]
     try:
-        wait_ready([reference], time.monotonic() + READY_TIMEOUT_S)
-        wait_until(lambda: cluster.ready() or cluster.script.poll() is not None, READY_TIMEOUT_S,
-                   "serve_cluster.sh to serve")
-        assert cluster.script.poll() is None, f"serve_cluster.sh exited:\n{cluster.log_tail()}"
-        yield cluster, reference
+        for cluster in started:
+            wait_until(lambda: cluster.ready() or cluster.script.poll() is not None, READY_TIMEOUT_S,
+                       "serve_cluster.sh to serve")
+            assert cluster.script.poll() is None, f"serve_cluster.sh exited:\n{cluster.log_tail()}"
+        yield started
     finally:
-        from cluster_server import stop_all
-
-        stop_all([reference])
-        cluster.kill()
+        for cluster in started:
+            cluster.kill()
 
 
-def test_gateway_keeps_the_hits_of_one_server(cluster_and_reference):
-    cluster, reference = cluster_and_reference
+def test_gateway_keeps_the_hits_of_one_server(clusters):
+    cluster, single_cluster = clusters
+    reference = single_cluster.worker_urls[0]  # a fresh single server, asked directly
     before = {u: marconi_figures(u)["marconi_requests"] for u in cluster.worker_urls}
     through_gateway = run_workload(cluster.url)
     after = {u: marconi_figures(u)["marconi_requests"] for u in cluster.worker_urls}
-    single = run_workload(reference.url)
+    single = run_workload(reference)
 
     gateway_hits = sum(g.cached_tokens for g, _ in through_gateway)
     single_hits = sum(g.cached_tokens for g, _ in single)
@@ -187,8 +187,8 @@ def test_gateway_keeps_the_hits_of_one_server(cluster_and_reference):
     assert [g.output_ids for g, _ in through_gateway] == [g.output_ids for g, _ in single]
 
 
-def test_warm_equals_cold_through_the_gateway(cluster_and_reference):
-    cluster, _ = cluster_and_reference
+def test_warm_equals_cold_through_the_gateway(clusters):
+    cluster, _ = clusters
     for u in cluster.worker_urls:
         flush_cache(u)
     warm = [g for g, _ in run_workload(cluster.url)]
@@ -224,19 +224,15 @@ def _assert_stops(cluster: ScriptCluster, send) -> None:
                 pass
 
 
-def test_sigterm_stops_every_process(cluster_and_reference):
-    """Last in this module: stops the module's cluster."""
-    cluster, _ = cluster_and_reference
+def test_sigterm_stops_every_process(clusters):
+    """After the tests above: stops the two-worker cluster."""
+    cluster, _ = clusters
     _assert_stops(cluster, lambda: cluster.script.send_signal(signal.SIGTERM))
     assert cluster.script.returncode != 0  # stopped by a signal, said so
 
 
-def test_ctrl_c_stops_every_process(tmp_path):
-    cluster = ScriptCluster(1, tmp_path / "serve_cluster.log")
-    try:
-        wait_until(lambda: cluster.ready() or cluster.script.poll() is not None, READY_TIMEOUT_S,
-                   "serve_cluster.sh to serve")
-        assert cluster.script.poll() is None, f"serve_cluster.sh exited:\n{cluster.log_tail()}"
-        _assert_stops(cluster, lambda: os.killpg(cluster.script.pid, signal.SIGINT))
-    finally:
-        cluster.kill()
+def test_ctrl_c_stops_every_process(clusters):
+    """After the tests above: stops the one-worker cluster, as a terminal's Ctrl-C does (SIGINT to
+    the script's process group)."""
+    _, cluster = clusters
+    _assert_stops(cluster, lambda: os.killpg(cluster.script.pid, signal.SIGINT))

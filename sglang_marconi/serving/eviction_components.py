@@ -89,6 +89,8 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+
+import numpy as np
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -97,6 +99,7 @@ from sglang_marconi.policy.eviction.flop_aware import check_alpha
 
 KV_PRESSURE = "kv"
 MAMBA_PRESSURE = "mamba"
+BYTE_PRESSURE = "bytes"  # one byte budget short of Mamba bytes: victims of either kind (choose_across)
 _KV, _MAMBA = 0, 1
 _PRESSURES = (KV_PRESSURE, MAMBA_PRESSURE)
 _FLOPS_MEMO_SIZE = 1 << 16
@@ -119,6 +122,7 @@ class EvictionCounters:
     evictions_leaf: int = 0  # leaves deleted whole (KV and state), under either pressure
     evictions_single_child: int = 0  # states tombstoned on single-child nodes (KV kept)
     evictions_fallback: int = 0  # Mamba pressure without Marconi candidates: upstream's LRU state
+    evictions_probationary: int = 0  # probationary states, evicted first under Mamba pressure
     stale_repairs: int = 0  # chosen victims whose index entry was out of date (expected 0)
 
 
@@ -162,6 +166,8 @@ class MarconiEvictionSettings:
         # The index's second column: "flops" (FLOP efficiency, Marconi) or "seglen" (the replay
         # length back to the anchor, SegLen-style; `alpha` is then its weight).
         self.value_kind = "flops"
+        # Probationary states at the end of each input (`serving/admission.py`), evicted first.
+        self.probation = False
         self.faulted: Optional[str] = None
         self.on_fault: Optional[Callable[[str, BaseException], None]] = None
 
@@ -207,6 +213,14 @@ class MarconiTreeIndex:
         self._dirty: set = set()
         self._struct: set = set()
         self._seglen = False
+        # Probationary states by node id, oldest first (kept whether or not the index is bound:
+        # admission records them from the first request). Entries whose node or state is gone
+        # are dropped lazily, when a victim is looked for.
+        self.probation: dict[int, Any] = {}
+        self.probation_only = False  # an eviction walk that may take probationary states only
+        # One byte budget (`--enable-unified-memory`) short of Mamba bytes: the FULL walk that
+        # funds them picks across kinds (`choose_across`); set by `unified_memory.py`.
+        self.byte_budget = False
         self._clear()
 
     def _clear(self) -> None:
@@ -251,6 +265,28 @@ class MarconiTreeIndex:
 
     def recency(self, pressure: int, node) -> float:
         return node.last_access_time if pressure == _KV else self.state_time(node)
+
+    def put_on_probation(self, node) -> None:
+        self.probation[node.id] = node
+
+    def confirm(self, node) -> None:
+        """A match reused `node`'s state, or a regular state was committed on it."""
+        if self.probation:
+            self.probation.pop(node.id, None)
+
+    def probationary_victim(self):
+        """The oldest probationary state that is still there and unlocked, or None."""
+        tree_core = self.cache.tree_core
+        arena, mamba = tree_core._node_arena, self._mamba_type
+        for node_id in list(self.probation):
+            node = self.probation[node_id]
+            data = node.component_data[mamba]
+            if arena.get(node_id) is not node or data.value is None:
+                del self.probation[node_id]
+            elif data.lock_ref == 0:
+                del self.probation[node_id]
+                return node
+        return None
 
     # -- binding ---------------------------------------------------------------------------
     def _bind(self, tree_core) -> None:
@@ -436,6 +472,30 @@ class MarconiTreeIndex:
         while len(index):
             node = index.lowest(alpha)
             if node is repaired or self._current(pressure, node, slots[node.id]):
+                return node
+            self.settings.counters.stale_repairs += 1
+            self._refresh(node)
+            repaired = node
+        return None
+
+    def choose_across(self):
+        """Under one byte budget: the lowest-utility candidate of either kind, a KV leaf (deleted
+        whole: its KV and state) or an SSM state (tombstoned on a single-child node), both scored
+        by FLOPs saved per byte freed with recency, normalized over the union. A leaf that holds a
+        state is in both indexes (same efficiency) and counts at the older of its two recencies."""
+        if self._seglen != (self.settings.value_kind == "seglen") and self.root is not None:
+            self.rebuild()
+        self.flush()
+        kv, mamba = self.indexes
+        repaired = None
+        alpha = self.alpha()
+        while len(kv) or len(mamba):
+            union = CandidateIndex(1)
+            union._columns = np.concatenate((kv._columns[:, :len(kv)], mamba._columns[:, :len(mamba)]), axis=1)
+            union.items = kv.items + mamba.items
+            node = union.lowest(alpha)
+            pressure = _KV if node.id in self._slots[_KV] else _MAMBA
+            if node is repaired or self._current(pressure, node, self._slots[pressure][node.id]):
                 return node
             self.settings.counters.stale_repairs += 1
             self._refresh(node)
@@ -678,15 +738,21 @@ def _component_classes():
             if tracker[self.component_type] >= self._evict_device_request_cnt:
                 return None
             try:
-                node = self.marconi.choose(_KV)
+                node = self.marconi.choose_across() if self.marconi.byte_budget else self.marconi.choose(_KV)
+                leaf = node is not None and node in self.tree_core.evictable_device_leaves
                 if node is not None:
-                    self.marconi.count("leaf")
+                    self.marconi.count("leaf" if leaf else "single_child")
             except Exception as exc:
                 return self._marconi_upstream_step("victim choice", exc, tracker, device_frees, host_frees,
                                                    cache_actions)
             if node is None:
                 return None
-            self.marconi.notify(KV_PRESSURE, "leaf", node)
+            pressure = BYTE_PRESSURE if self.marconi.byte_budget else KV_PRESSURE
+            if not leaf:  # one byte budget: an SSM state is the cheapest bytes; tombstone it
+                self.marconi.notify(pressure, "single_child", node)
+                mamba = self.tree_core.components_by_type[ComponentType.MAMBA]
+                return mamba._marconi_evict(node, False, tracker, device_frees, host_frees, cache_actions)
+            self.marconi.notify(pressure, "leaf", node)
             return node.id  # SGLang deletes the leaf, its Mamba state included
 
     class MarconiMambaComponent(_MarconiHooks, MambaComponent):
@@ -702,6 +768,7 @@ def _component_classes():
                 elif phase is LRURefreshPhase.MATCH_END and node.component_data[self.component_type].value is not None:
                     # The state a match reuses, the only one refreshed (called before SGLang stamps the path).
                     self.marconi.state_used(node, get_and_increase_time_counter())
+                    self.marconi.confirm(node)
             except Exception as exc:
                 self._marconi_fault("refresh_lru", exc)
 
@@ -712,15 +779,33 @@ def _component_classes():
             if self._marconi_settings.faulted is None:
                 try:
                     self.marconi.state_used(node, get_and_increase_time_counter())
+                    if getattr(params, "marconi_probationary", False):
+                        if not result.mamba_exist:  # a new state, not a reuse of one already there
+                            self.marconi.put_on_probation(node)
+                    else:
+                        self.marconi.confirm(node)
                 except Exception as exc:
                     self._marconi_fault("commit_insert_component_data", exc)
 
         def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
-            if self._marconi_delegate:
-                return super()._evict_device_next_node(tracker, device_frees, host_frees, cache_actions)
             ct = self.component_type
             if tracker[ct] >= self._evict_device_request_cnt:
                 return None
+            probationary = None
+            if self._marconi_settings.faulted is None and (self.marconi.probation or self.marconi.probation_only):
+                try:
+                    probationary = self.marconi.probationary_victim()
+                except Exception as exc:
+                    self._marconi_fault("probationary victim", exc)
+                if probationary is None and self.marconi.probation_only:
+                    return None
+            if probationary is not None:
+                self._marconi_settings.counters.evictions_probationary += 1
+                leaf = probationary in self.tree_core.evictable_device_leaves
+                self.marconi.notify(MAMBA_PRESSURE, "probationary", probationary)
+                return self._marconi_evict(probationary, leaf, tracker, device_frees, host_frees, cache_actions)
+            if self._marconi_delegate:
+                return super()._evict_device_next_node(tracker, device_frees, host_frees, cache_actions)
             tree_core = self.tree_core
             try:
                 node = self.marconi.choose(_MAMBA)
@@ -739,6 +824,10 @@ def _component_classes():
                 return self._marconi_upstream_step("victim choice", exc, tracker, device_frees, host_frees,
                                                    cache_actions)
             self.marconi.notify(MAMBA_PRESSURE, kind, node)
+            return self._marconi_evict(node, leaf, tracker, device_frees, host_frees, cache_actions)
+
+        def _marconi_evict(self, node, leaf, tracker, device_frees, host_frees, cache_actions):
+            tree_core = self.tree_core
             if leaf:
                 return node.id  # SGLang deletes the leaf whole
             # One mutation: tombstone the state, keep the node and its KV (upstream's code, unguarded).

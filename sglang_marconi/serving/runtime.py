@@ -16,7 +16,8 @@ Per-request bookkeeping lives on SGLang's `Req` (`marconi_full_kv_hit`), so a re
 by any path (abort, retraction, PD transfer) leaves nothing behind here.
 
 The shadows model SGLang's two pools: KV tokens (the KV pool's size) and SSM states (the Mamba
-pool's slots), each scaled by the sample rate.
+pool's slots), each scaled by the sample rate; under `--enable-unified-memory`, the one byte
+budget both kinds share (`shadow_budget`).
 """
 
 from __future__ import annotations
@@ -124,10 +125,10 @@ class MarconiRuntime:
                 self.tuner = self._start_tuner(cache)
 
     def _start_tuner(self, cache):
-        kv_tokens = cache.token_to_kv_pool_allocator.size
-        kwargs = dict(state_slots=cache.req_to_token_pool.mamba_pool.size, checkpoint_grid=self.checkpoint_grid,
-                      page_size=cache.page_size, sync_every=self.sync_every)
-        capacity = max(1, int(kv_tokens * self.profile.kv_bytes_per_token))
+        capacity, state_slots = shadow_budget(cache, self.profile)
+        kwargs = dict(state_slots=state_slots, checkpoint_grid=self.checkpoint_grid,
+                      page_size=cache.page_size, sync_every=self.sync_every,
+                      probation=bool(self.settings.probation))
         if self.config.tune_workers == 0:
             return InlineShadowTuner(self.profile, capacity, self.config.tuning(), **kwargs)
         from sglang_marconi.serving.background_tuner import BackgroundShadowTuner
@@ -305,6 +306,8 @@ class MarconiRuntime:
             "marconi_checkpoint_grid": self.checkpoint_grid,
             "marconi_evictions_leaf": counters.evictions_leaf,
             "marconi_evictions_single_child": counters.evictions_single_child,
+            "marconi_evictions_probationary": counters.evictions_probationary,
+            "marconi_probationary_states_admitted": admission.probationary_admitted if admission else 0,
             "marconi_admissions_skipped_no_slot": admission.skipped_no_slot if admission else 0,
             "marconi_branch_tokens_lost_to_grid": admission.grid_lost_tokens if admission else 0,
             "marconi_blocked_hit_tokens": f.blocked_tokens,
@@ -351,3 +354,15 @@ def _mamba_type():
 
 def _states_in_tree(cache) -> int:
     return int(cache.mamba_evictable_size() + cache.mamba_protected_size())
+
+
+def shadow_budget(cache, profile) -> tuple[int, int | None]:
+    """(capacity_bytes, state_slots) of the shadow caches, in the profile's bytes. Two pools: the
+    KV pool's tokens and the Mamba pool's slots. One byte budget (`--enable-unified-memory`: full
+    KV and Mamba states carved from one buffer, SGLang's `UnifiedMambaTokenToKVPoolAllocator`):
+    the whole buffer, measured as the KV tokens it holds when it holds nothing else (`size_full`),
+    and no slot count, so the shadows trade KV for states byte for byte as the server does."""
+    allocator = cache.token_to_kv_pool_allocator
+    if getattr(allocator, "unified_buffer", None) is not None:
+        return max(1, int(allocator.size_full * profile.kv_bytes_per_token)), None
+    return max(1, int(allocator.size * profile.kv_bytes_per_token)), cache.req_to_token_pool.mamba_pool.size

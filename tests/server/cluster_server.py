@@ -96,15 +96,20 @@ def _spawn(argv, *, env, log_path: Path | None, url: str) -> LiveServer:
 
 
 def spawn_worker(model_dir, port: int, *, launcher: str = "marconi", extra_args=(), log_path: Path | None,
-                 threads: int | None = None, hard_limit_s: int | None = None) -> LiveServer:
-    """One tiny CPU server on 127.0.0.1:port (not waited for: see `wait_ready`). `threads`: OpenMP
-    threads (servers sharing a machine should split its cores)."""
+                 threads: int | None = None, hard_limit_s: int | None = None, device: str = "cpu") -> LiveServer:
+    """One server on 127.0.0.1:port (not waited for: see `wait_ready`). `device="cpu"`: SGLang's CPU
+    engine with the tests' CPU flags and kernel stand-ins, `threads` OpenMP threads (servers sharing
+    a machine should split its cores); otherwise SGLang's defaults for that device, metrics on.
+    `extra_args` come last, so they override."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}: expected one of {', '.join(LAUNCHERS)}")
     limit = ("timeout", "--kill-after=10", str(hard_limit_s)) if hard_limit_s else ()
-    argv = [*limit, sys.executable, "-m", LAUNCHERS[launcher], "--model-path", str(Path(model_dir).resolve()),
-            "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *extra_args]
-    env = cpu_engine_env({"OMP_NUM_THREADS": str(threads)} if threads else None, parallel_ranks(extra_args))
+    model = Path(model_dir).resolve() if Path(model_dir).exists() else model_dir  # else a hub name
+    device_args = CPU_FLAGS if device == "cpu" else ("--device", device, "--enable-metrics")
+    argv = [*limit, sys.executable, "-m", LAUNCHERS[launcher], "--model-path", str(model),
+            "--host", "127.0.0.1", "--port", str(port), *device_args, *extra_args]
+    env = (cpu_engine_env({"OMP_NUM_THREADS": str(threads)} if threads else None, parallel_ranks(extra_args))
+           if device == "cpu" else dict(os.environ))
     return _spawn(argv, env=env, log_path=log_path, url=f"http://127.0.0.1:{port}")
 
 
@@ -127,7 +132,7 @@ def _worker_ready(server: LiveServer) -> bool:
         return False
 
 
-def _gateway_ready(gateway: LiveServer, workers: int) -> bool:
+def gateway_ready(gateway: LiveServer, workers: int) -> bool:
     try:
         r = requests.get(gateway.url + "/readiness", timeout=10)
         return r.status_code == 200 and r.json().get("healthy_workers") == workers
@@ -172,7 +177,7 @@ def start_cluster(model_dir, *, workers: int = 2, policy: str = "cache_aware", l
         gateway = spawn_gateway(free_port(), [w.url for w in started], policy=policy, extra_args=gateway_args,
                                 log_path=log_dir / f"gateway-{policy}.log", hard_limit_s=hard_limit_s)
         started.insert(0, gateway)  # stopped first: no new requests reach a stopping worker
-        wait_ready([gateway], time.monotonic() + 60, lambda g: _gateway_ready(g, workers))
+        wait_ready([gateway], time.monotonic() + 60, lambda g: gateway_ready(g, workers))
     except BaseException:
         stop_all(started)
         raise
@@ -237,7 +242,7 @@ def main(argv=None) -> int:
         gateway = spawn_gateway(args.port, [w.url for w in started], policy=args.policy,
                                 extra_args=gateway_args, log_path=None)
         started.insert(0, gateway)
-        wait_ready([gateway], time.monotonic() + 60, lambda g: _gateway_ready(g, args.workers))
+        wait_ready([gateway], time.monotonic() + 60, lambda g: gateway_ready(g, args.workers))
         print(f"smg ({args.policy}) serving {model} on http://127.0.0.1:{args.port} "
               f"over {args.workers} worker(s)", flush=True)
         while True:  # until a signal, or until any process exits (then the cluster is broken: stop it)

@@ -174,6 +174,8 @@ def test_gateway_keeps_the_hits_of_one_server(clusters):
 
     gateway_hits = sum(g.cached_tokens for g, _ in through_gateway)
     single_hits = sum(g.cached_tokens for g, _ in single)
+    print(f"hit tokens: {gateway_hits} through the gateway, {single_hits} on one server "
+          f"({gateway_hits / max(1, single_hits):.1%}); prompt tokens {sum(g.prompt_tokens for g, _ in single)}")
     assert single_hits > 0.5 * sum(g.prompt_tokens for g, _ in single)  # the workload reuses: a real bar
     assert gateway_hits >= 0.9 * single_hits, (gateway_hits, single_hits,
                                                [(g.cached_tokens, w) for g, w in through_gateway])

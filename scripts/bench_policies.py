@@ -294,11 +294,117 @@ def artifact_speed():
           f"{sum(x >= SPEEDUP_TARGET for x in lines)} of {len(lines)} traces (worst {min(lines):.1f}x) [target: all]")
 
 
+# --- sliding-window (SWA) hybrids: furiosa, sglang+ and tuned marconi per cell ------------------
+SWA_PROFILES = ("gpt-oss-20b", "gemma-4-31b")
+SWA_WORKLOADS = ("synthetic:swe-agent", "synthetic:lmsys", "synthetic:sharegpt", "synthetic:system-prompt", "mooncake")
+SWA_FRACTIONS = (0.05, 0.1, 0.2, 0.4)  # capacity as a share of what windows-only admission never evicting keeps
+SWA_WINDOWS = (128, 1024, 4096, 16384)  # the SWA-ratio axis: gpt-oss-20b with other windows, swe-agent, 0.1
+
+
+def swa_footprint(workload, profile) -> int:
+    from sglang_marconi.policy.window_cache import SGLANG, WindowPrefixCache
+
+    cache = WindowPrefixCache(profile, 10**18, SGLANG)
+    for request in workload:
+        cache.serve(request.input_tokens, request.output_tokens)
+    return cache.used_bytes
+
+
+def swa_cell(workload, profile, capacity) -> dict:
+    out = {}
+    for name in ("furiosa", "sglang+", "marconi"):
+        config = shadow_config_for(workload, profile, capacity, ShadowConfig(), None) if name == "marconi" else None
+        policy = build_policy(name, profile, capacity, tuning=config)
+        out[name] = replay(workload, policy, profile, capacity, progress=False)
+    return out
+
+
+def swa_row(label, runs) -> tuple[str, dict]:
+    f, s, m = (runs[k].token_hit_rate for k in ("furiosa", "sglang+", "marconi"))
+    gain = 100 * (m - max(f, s))
+    ok = gain >= -0.5
+    row = (f"| {label} | {100 * f:.2f} | {100 * s:.2f} | {100 * m:.2f} | {gain:+.2f} | "
+           f"{100 * runs['marconi'].flops_saved_fraction:.2f} | {runs['marconi'].wall_seconds:.1f} | "
+           f"{'ok' if ok else 'MISSED'} |")
+    return row, {"label": label, "furiosa": f, "sglang+": s, "marconi": m, "gain_points": gain, "ok": ok}
+
+
+def swa_bench(out: Path, quick: bool) -> list:
+    """Token hit rate of furiosa, sglang+ and tuned marconi per (profile, workload, capacity) cell
+    and along the SWA-ratio axis; target: marconi >= max(sglang+, furiosa) - 0.5 points per cell."""
+    from dataclasses import replace
+
+    head = ("| cell | furiosa % | sglang+ % | marconi % | gain (points) | marconi FLOPs sv % | marconi s | target |\n"
+            "|---|---|---|---|---|---|---|---|")
+    cells, results = [], []
+    workloads = [w for w in SWA_WORKLOADS if w != "mooncake" or MOONCAKE.exists()]
+    for profile_name in SWA_PROFILES:
+        profile = load_profile(profile_name)
+        for name in workloads[:2] if quick else workloads:
+            workload = load(name)
+            size = swa_footprint(workload, profile)
+            print(f"\n### {name} on {profile_name} ({len(workload)} requests; windows-only footprint "
+                  f"{size / 1e9:.1f} GB)\n\n{head}")
+            for frac in SWA_FRACTIONS[::2] if quick else SWA_FRACTIONS:
+                capacity = max(int(size * frac), 8 * profile.sliding_window * profile.swa_kv_bytes_per_token)
+                runs = swa_cell(workload, profile, capacity)
+                row, cell = swa_row(f"{capacity / 1e9:.2f} GB ({frac:g})", runs)
+                cells.append(dict(cell, workload=name, model=profile_name, capacity_bytes=capacity))
+                results += runs.values()
+                print(row, flush=True)
+    base = load_profile("gpt-oss-20b")
+    workload = load("synthetic:swe-agent")
+    context = float(workload.request_lengths().sum(axis=1).mean())
+    print(f"\n### SWA ratio (window / mean context {context:,.0f} tokens): gpt-oss-20b layers, swe-agent, "
+          f"capacity 0.1 of each footprint\n\n{head}")
+    axis_runs = []
+    for window in SWA_WINDOWS[:2] if quick else SWA_WINDOWS:
+        profile = replace(base, name=f"gpt-oss-20b-w{window}", sliding_window=window)
+        capacity = max(int(swa_footprint(workload, profile) * 0.1), 8 * window * profile.swa_kv_bytes_per_token)
+        runs = swa_cell(workload, profile, capacity)
+        row, cell = swa_row(f"w={window} (ratio {window / context:.3f})", runs)
+        cells.append(dict(cell, workload="synthetic:swe-agent", model=profile.name, capacity_bytes=capacity,
+                          swa_ratio=window / context))
+        axis_runs.append((window / context, runs))
+        results += runs.values()
+        print(row, flush=True)
+    missed = [c for c in cells if not c["ok"]]
+    gains = [c["gain_points"] for c in cells]
+    print(f"\nSWA summary: marconi >= max(sglang+, furiosa) - 0.5 points in {len(cells) - len(missed)}/{len(cells)} "
+          f"cells; gain over the better baseline: mean {statistics.mean(gains):+.2f}, min {min(gains):+.2f}, "
+          f"max {max(gains):+.2f} points" + (f"; missed: {[c['label'] for c in missed]}" if missed else ""))
+    (out / "bench_swa.json").write_text(json.dumps(cells, indent=1))
+    _plot_swa_ratio(axis_runs, out / "swa_ratio.png")
+    return results
+
+
+def _plot_swa_ratio(axis_runs, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name in ("furiosa", "sglang+", "marconi"):
+        ax.plot([r for r, _ in axis_runs], [100 * runs[name].token_hit_rate for _, runs in axis_runs], "o-", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("SWA ratio (window / mean context)")
+    ax.set_ylabel("token hit rate (%)")
+    ax.set_title("gpt-oss-20b layers, swe-agent, 0.1 x footprint")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="out/bench", type=Path)
     ap.add_argument("--quick", action="store_true", help="every other capacity, no axes")
-    ap.add_argument("--only", help="comma list of sweep names (" + ",".join(SWEEP) + ",axes,artifact-speed)")
+    ap.add_argument("--only", help="comma list of sweep names (" + ",".join(SWEEP) + ",axes,artifact-speed,swa)")
+    ap.add_argument("--swa", action="store_true",
+                    help="add the sliding-window cells (furiosa, sglang+, marconi on gpt-oss-20b and gemma-4-31b)")
     ap.add_argument("--suite", choices=("dev", "held-out", "all"),
                     help="run the robustness suite (`sim/robustness.py`) instead of the sweeps")
     ap.add_argument("--fixed-cache", type=Path,
@@ -309,7 +415,9 @@ def main(argv=None) -> int:
         groups = robustness.GROUPS if args.suite == "all" else (args.suite,)
         return run_suite(groups, args.quick, args.out, args.fixed_cache)
     chosen = args.only.split(",") if args.only else [*SWEEP, "axes", "artifact-speed"]
-    unknown = [n for n in chosen if n not in SWEEP and n not in ("axes", "artifact-speed")]
+    if args.swa and "swa" not in chosen:
+        chosen.append("swa")
+    unknown = [n for n in chosen if n not in SWEEP and n not in ("axes", "artifact-speed", "swa")]
     if unknown:
         print(f"unknown sweep {unknown[0]!r}; choose from {', '.join(SWEEP)}, axes, artifact-speed", file=sys.stderr)
         return 2
@@ -317,6 +425,8 @@ def main(argv=None) -> int:
     for name in chosen:
         if name == "artifact-speed":
             artifact_speed()
+        elif name == "swa":
+            results += swa_bench(args.out, args.quick)
         elif name == "axes":
             if args.quick:
                 continue

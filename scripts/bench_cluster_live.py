@@ -137,19 +137,21 @@ def run_launcher(launcher: str, model, traces: dict, args, logs: Path) -> dict:
 def format_table(results: dict, hardware: str, absolute_times: bool) -> str:
     lines = [f"Live cluster ({hardware}): smg's policies over the same workers; hits against one server's,"
              " TTFT against round_robin's.", "",
-             "| workload | workers | gateway | token hit rate | hits / single server | TTFT p50 / RR | "
+             "| workload | workers' cache | gateway | token hit rate | hits / single server | TTFT p50 / RR | "
              "TTFT p95 / RR | largest worker share |" + (" TTFT p50 ms | TTFT p95 ms |" if absolute_times else ""),
              "|---|---|---|---|---|---|---|---|" + ("---|---|" if absolute_times else "")]
     for launcher, by_workload in results.items():
         for name, rows in by_workload.items():
             single, rr = rows.get("single"), rows.get("round_robin")
             for policy, r in rows.items():
-                hits = f"{r['cached_tokens'] / single['cached_tokens']:.2f}" if single and single["cached_tokens"] else "-"
+                has_hits = single and single["cached_tokens"]
+                hits = f"{r['cached_tokens'] / single['cached_tokens']:.2f}" if has_hits else "-"
                 ratio = (lambda q: f"{r['ttft_ms'][q] / rr['ttft_ms'][q]:.2f}") if rr and policy != "single" \
                     else (lambda q: "-")
                 share = f"{r['max_worker_share']:.2f}" if policy != "single" else "-"
-                row = (f"| {name} | {launcher} | {policy} | {100 * r['token_hit_rate']:.1f}% | {hits} | {ratio('p50')} | "
-                       f"{ratio('p95')} | {share} |")
+                cache = "upstream" if launcher == "sglang" else launcher
+                row = (f"| {name} | {cache} | {policy} | {100 * r['token_hit_rate']:.1f}% | {hits} | "
+                       f"{ratio('p50')} | {ratio('p95')} | {share} |")
                 if absolute_times:
                     row += f" {r['ttft_ms']['p50']:.0f} | {r['ttft_ms']['p95']:.0f} |"
                 lines.append(row)
@@ -160,7 +162,8 @@ def parse_args(argv):
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma list of sglang (upstream), marconi")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma list of smg policies")

@@ -195,12 +195,12 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def main(argv=None) -> int:
-    """Serve N tiny random hybrid models on this CPU behind smg in the foreground (Ctrl-C stops all).
-    Arguments not named here go to `smg launch`; arguments after `--` go to every worker."""
-    from tiny_models import DIR_NAMES, KINDS, write_tiny_model
+def parse_cluster_args(argv):
+    """(options, smg flags, worker flags): arguments this script does not know go to `smg launch`,
+    arguments after `--` to every worker. Exits with one line naming a bad value or a busy port."""
+    from tiny_models import KINDS
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(argv)
     worker_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=main.__doc__)
@@ -217,11 +217,20 @@ def main(argv=None) -> int:
     if args.workers < 1:
         p.error(f"--workers must be at least 1, got {args.workers}")
     base = args.worker_base_port or args.port + 1
-    ports = [args.port, *range(base, base + args.workers)]
-    busy = [port for port in ports if not _port_free(port)]
+    args.ports = [args.port, *range(base, base + args.workers)]
+    busy = [port for port in args.ports if not _port_free(port)]
     if busy:
         p.error(f"port {busy[0]} is in use (gateway --port {args.port}, workers from {base})")
+    return args, gateway_args, worker_args
 
+
+def main(argv=None) -> int:
+    """Serve N tiny random hybrid models on this CPU behind smg in the foreground (Ctrl-C stops all).
+    Arguments not named here go to `smg launch`; arguments after `--` go to every worker."""
+    from tiny_models import DIR_NAMES, write_tiny_model
+
+    args, gateway_args, worker_args = parse_cluster_args(sys.argv[1:] if argv is None else argv)
+    ports = args.ports
     started: list[LiveServer] = []
 
     def stop(signum, _frame):

@@ -4,7 +4,8 @@
 - Multi-turn sessions and many users sharing a system prompt, sent through the gateway, reach at
   least 90% of the hit tokens a fresh single server gets on the same request sequence (the worker
   of a one-worker cluster, asked directly), with both workers serving (the gateway names the worker
-  of each response; the workers' own counters agree).
+  of each response; the workers' own counters agree), a bar smg's round_robin in front of the same
+  workers does not reach.
 - Warm == cold through the gateway: a hit gives the tokens and logprobs the same prompt gives on
   cold caches, and different prompts give different outputs.
 - The script stops every process it started (all descendants gone, every port closed) on SIGTERM
@@ -109,8 +110,8 @@ class ScriptCluster:
         self.script = subprocess.Popen(
             ["bash", str(ROOT / "scripts" / "serve_cluster.sh"), "--workers", str(workers), "--port", str(self.port),
              "--worker-base-port", str(self.base), *(["--model-path", str(model_path)] if model_path else [])],
-            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
 
     def ready(self) -> bool:
@@ -143,6 +144,34 @@ def wait_until(predicate, timeout_s: float, what: str):
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(1.0)
+
+
+def test_arguments_reach_the_gateway_and_the_workers():
+    from cluster_server import parse_cluster_args
+
+    gateway, base = _free_ports(3)
+    args, to_gateway, to_workers = parse_cluster_args(
+        ["--workers", "3", "--port", str(gateway), "--worker-base-port", str(base), "--cache-threshold", "0.5",
+         "--policy", "round_robin", "--", "--max-total-tokens", "4096"])
+    assert args.ports == [gateway, base, base + 1, base + 2] and args.policy == "round_robin"
+    assert to_gateway == ["--cache-threshold", "0.5"] and to_workers == ["--max-total-tokens", "4096"]
+
+
+def test_bad_arguments_are_refused_in_one_line(capsys):
+    import socket
+
+    from cluster_server import parse_cluster_args
+
+    with pytest.raises(SystemExit):
+        parse_cluster_args(["--workers", "0"])
+    assert "--workers must be at least 1, got 0" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit):
+            parse_cluster_args(["--workers", "1", "--port", str(port)])
+    assert f"port {port} is in use" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +216,22 @@ def test_gateway_keeps_the_hits_of_one_server(clusters):
         assert 0 <= after[u] - before[u] - routed.count(u) <= 1, (u, after[u] - before[u], routed.count(u))
     # Same model, same requests: the same replies whichever worker answered.
     assert [g.output_ids for g, _ in through_gateway] == [g.output_ids for g, _ in single]
+
+    # The bar discriminates: smg's round_robin in front of the same workers (caches flushed) falls short.
+    from cluster_server import gateway_ready, spawn_gateway, stop_all, wait_ready
+    from live_server import free_port
+
+    for u in cluster.worker_urls:
+        flush_cache(u)
+    rr = spawn_gateway(free_port(), cluster.worker_urls, policy="round_robin", log_path=cluster.log_path.with_name(
+        "round_robin.log"), hard_limit_s=600)
+    try:
+        wait_ready([rr], time.monotonic() + 60, lambda g: gateway_ready(g, WORKERS))
+        rr_hits = sum(g.cached_tokens for g, _ in run_workload(rr.url))
+    finally:
+        stop_all([rr])
+    print(f"hit tokens through round_robin: {rr_hits} ({rr_hits / max(1, single_hits):.1%} of one server's)")
+    assert rr_hits < 0.9 * single_hits, (rr_hits, single_hits)
 
 
 def test_warm_equals_cold_through_the_gateway(clusters):

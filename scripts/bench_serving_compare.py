@@ -58,6 +58,10 @@ RUNS = (("upstream", "sglang"), ("marconi", "marconi"), ("upstream-2", "sglang")
 # Bench pools on CPU: KV for long Mooncake prompts; few SSM slots, the scarce resource on real hybrids.
 CPU_BENCH_FLAGS = ("--max-total-tokens", "32768", "--max-mamba-cache-size", "24")
 STRATEGIES = ("auto", "no_buffer", "extra_buffer")
+TINY_KINDS = ("gated-delta", "mamba2", "sliding-window")
+# The sliding-window tiny model (32-token window): an SWA pool of 1/8 of the full one, so cached
+# windows compete for it, and prefill chunks that keep a running request's window share small.
+CPU_SWA_BENCH_FLAGS = ("--swa-full-tokens-ratio", "0.125", "--chunked-prefill-size", "512")
 
 
 @contextlib.contextmanager
@@ -186,8 +190,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="Arguments after `--` go to both servers unchanged.")
     p.add_argument("--model-path", help="model to serve (default on CPU: a tiny random gated-delta hybrid)")
-    p.add_argument("--tiny-kind", default="gated-delta", choices=("gated-delta", "mamba2"),
-                   help="which tiny model when no --model-path is given")
+    p.add_argument("--tiny-kind", default="gated-delta", choices=TINY_KINDS,
+                   help="which tiny model when no --model-path is given (sliding-window: global + SWA "
+                        "attention, SGLang's SWA cache component; its SWA pool is 1/8 of the full pool)")
     p.add_argument("--device", default="cpu", help="cpu (SGLang's CPU engine, tiny model) or cuda")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     p.add_argument("--max-concurrency", type=int, default=4)
@@ -241,7 +246,10 @@ def main(argv=None) -> int:
     hardware = (f"CPU/tiny-model ({platform.processor() or platform.machine()}, SGLang CPU engine; only ratios "
                 "mean anything)" if args.device == "cpu" else f"{args.device}, {model}")
     hardware += f"; Mamba radix cache {strategy or 'SGLang default'}"
-    flags = (*(CPU_BENCH_FLAGS if args.device == "cpu" else ()), *args.extra)
+    flags = CPU_BENCH_FLAGS if args.device == "cpu" else ()
+    if args.device == "cpu" and not args.model_path and args.tiny_kind == "sliding-window":
+        flags += CPU_SWA_BENCH_FLAGS
+    flags = (*flags, *args.extra)
     if strategy is not None and args.device != "cpu":
         flags = ("--mamba-radix-cache-strategy", strategy, *flags)
     strategy_flags = (lambda: cpu_strategy(strategy)) if args.device == "cpu" else contextlib.nullcontext

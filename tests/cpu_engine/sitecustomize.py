@@ -15,4 +15,7 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
 
     snapshot_platform.add_to(kernel_patches.PATCHES)
     page_major_attention.add_to(kernel_patches.PATCHES)
+    from torch_kernels import swa_attention  # SWA layers read the SWA pool through SWA slots
+
+    swa_attention.add_to(kernel_patches.PATCHES)
     kernel_patches.install()

@@ -5,7 +5,10 @@ Kinds (`write_tiny_model(kind, out_dir)`):
 - `gated-delta`: Qwen3-Next (3 gated-delta-net layers, 1 gated attention layer, 4 MoE experts);
 - `mamba2`: Nemotron-H (2 Mamba2 layers, 1 attention layer, 1 MLP), in the legacy config keys
   (`hybrid_override_pattern`, `mamba_n_groups`) SGLang 0.5.23's config class reads;
-- `dense`: Llama (attention only), for the "no SSM layers, upstream's cache" path.
+- `dense`: Llama (attention only), for the "no SSM layers, upstream's cache" path;
+- `sliding-window`: Mellum (Qwen3-MoE with interleaved sliding-window / full attention: 3
+  sliding-window layers with a `SLIDING_WINDOW`-token window, 1 global layer, dense and MoE MLPs),
+  one of the SWA hybrids SGLang serves through its SWA cache component (no SSM layers).
 
 Why whole words: a random model emits arbitrary token sequences. With byte-level BPE those decode
 to broken UTF-8 and re-tokenise differently, so text-based clients (SGLang frontend programs)
@@ -26,10 +29,14 @@ from pathlib import Path
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<|endoftext|>", "<unk>")
 EOS = "<|endoftext|>"
-KINDS = ("gated-delta", "mamba2", "dense")
+KINDS = ("gated-delta", "mamba2", "dense", "sliding-window")
+# Small enough that a few hundred tokens of prompt cross it many times (the SWA tests need hits
+# whose window is partly evicted, and prompts longer than the window).
+SLIDING_WINDOW = 32
 # Directory names: neutral, so SGLang's frontend picks its "default" chat template
 # (SYSTEM: / USER: / ASSISTANT:) rather than one keyed on a model family in the path.
-DIR_NAMES = {"gated-delta": "tiny-gated-delta-hybrid", "mamba2": "tiny-mamba2-hybrid", "dense": "tiny-dense"}
+DIR_NAMES = {"gated-delta": "tiny-gated-delta-hybrid", "mamba2": "tiny-mamba2-hybrid", "dense": "tiny-dense",
+             "sliding-window": "tiny-sliding-window-hybrid"}
 
 _CORPUS = """
 SYSTEM USER ASSISTANT : , . ? ! ; ( ) - + = / * # 0 1 2 3 4 5 6 7 8 9 10 11 12 16 20 32 64 100 128 256 512 1000
@@ -120,6 +127,16 @@ def _hf_config(kind: str, eos_id: int) -> dict:
         return dict(common, architectures=["LlamaForCausalLM"], model_type="llama", intermediate_size=128,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     hidden_act="silu", rope_theta=10000.0, attention_bias=False, mlp_bias=False)
+    if kind == "sliding-window":
+        layer_types = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
+        return dict(common, architectures=["MellumForCausalLM"], model_type="mellum", intermediate_size=128,
+                    num_hidden_layers=len(layer_types), layer_types=layer_types,
+                    mlp_layer_types=["dense", "sparse", "dense", "sparse"], sliding_window=SLIDING_WINDOW,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
+                    attention_bias=False, attention_dropout=0.0, moe_intermediate_size=32, num_experts=4,
+                    num_experts_per_tok=2, norm_topk_prob=True,
+                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     raise ValueError(f"unknown tiny model kind {kind!r}; choose from {', '.join(KINDS)}")
 
 

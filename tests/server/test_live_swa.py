@@ -1,0 +1,209 @@
+"""A sliding-window-attention (SWA) hybrid served by the `marconi` backend through a real SGLang
+server on this CPU: the tiny Mellum model (`tiny_models.py`, kind `sliding-window`: 3 SWA layers
+with a 32-token window, 1 global layer), SGLang's SWA cache component with Marconi's eviction
+(`sglang_marconi/serving/swa_component.py`).
+
+One server, with an SWA pool of about 400 tokens (`--swa-full-tokens-ratio`), so that the
+pressure test evicts windows while the others (each starting from an empty cache) do not.
+
+Also here (no server): the CPU stand-in that lets torch_native read sliding-window layers from
+SGLang's SWA pool (`tests/cpu_engine/torch_kernels/swa_attention.py`), against SDPA over the
+contiguous K/V with the window mask.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+from tiny_models import SLIDING_WINDOW
+
+CHUNK = 64  # --chunked-prefill-size: prompts prefill in several chunks, windows slide between them
+SWA_FLAGS = ("--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "8192", "--swa-full-tokens-ratio", "0.05")
+STAND_IN = Path(__file__).resolve().parents[1] / "cpu_engine" / "torch_kernels" / "swa_attention.py"
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """n random word ids (2..511: never a special token)."""
+    rng = random.Random(seed)
+    return [rng.randrange(2, 512) for _ in range(n)]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# --- the stand-in, against a reference (no server) ------------------------------------------
+
+def _stand_in():
+    spec = importlib.util.spec_from_file_location("swa_attention_stand_in", STAND_IN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_swa_reads_through_swa_slots_match_windowed_sdpa():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("sglang")
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    swa_rows = _stand_in().swa_rows
+    g = torch.Generator().manual_seed(0)
+    heads, dim, window = 2, 8, 5  # the backend's sliding_window_size: keys q-window..q
+    prefix, extend = 11, 6
+    seq = prefix + extend
+    k_full = torch.randn(seq, heads, dim, generator=g)
+    v_full = torch.randn(seq, heads, dim, generator=g)
+    q = torch.randn(extend, heads, dim, generator=g)
+    # Full-pool slots of the request, and an SWA pool holding only positions still in the window
+    # of some query, at shuffled slots; older positions map to a sink slot full of garbage.
+    full_slots = torch.randperm(64, generator=g)[:seq] + 1
+    live = list(range(prefix - window, seq))
+    swa_slots = torch.randperm(30, generator=g)[:len(live)] + 1
+    full_to_swa = torch.zeros(66, dtype=torch.int64)
+    full_to_swa[full_slots[live]] = swa_slots
+    k_swa, v_swa = torch.randn(80, heads, dim, generator=g) * 50, torch.randn(80, heads, dim, generator=g) * 50
+    k_swa[swa_slots], v_swa[swa_slots] = k_full[live], v_full[live]
+    req_to_token = torch.zeros(3, 80, dtype=torch.int32)
+    req_to_token[2, :seq] = full_slots.to(torch.int32)
+    req_pool_indices, seq_lens = torch.tensor([2]), torch.tensor([seq])
+
+    def run(table, indices, k_cache, v_cache):
+        out = torch.empty_like(q)
+        backend = object.__new__(TorchNativeAttnBackend)
+        backend._run_sdpa_forward_extend(q, out, k_cache, v_cache, table, indices, seq_lens, torch.tensor([prefix]),
+                                         torch.tensor([extend]), scaling=dim ** -0.5, causal=True,
+                                         sliding_window_size=window)
+        return out
+
+    positions = torch.arange(seq)
+    query_pos = positions[prefix:, None]
+    mask = (positions[None, :] <= query_pos) & (positions[None, :] >= query_pos - window)
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k_full.transpose(0, 1), v_full.transpose(0, 1), attn_mask=mask, scale=dim ** -0.5,
+    ).transpose(0, 1)
+    translated = run(swa_rows(req_to_token, req_pool_indices, seq_lens, full_to_swa), torch.arange(1), k_swa, v_swa)
+    torch.testing.assert_close(translated, reference, rtol=1e-5, atol=1e-5)
+    # SGLang's own read (full-pool slots into the SWA buffer) is wrong: the stand-in is needed.
+    untranslated = run(req_to_token, req_pool_indices, k_swa, v_swa)
+    assert not torch.allclose(untranslated, reference, atol=1e-2)
+
+
+# --- live -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def swa_server(tiny_model, launch):
+    server = launch(tiny_model("sliding-window"), launcher="marconi", extra_args=SWA_FLAGS)
+    yield server
+    server.stop()
+
+
+def _cold(url, generation):
+    """The same request on an empty cache."""
+    from http_api import flush_cache, generate
+
+    flush_cache(url)
+    cold = generate(url, generation.input_ids, max_new_tokens=len(generation.output_ids))
+    assert cold.cached_tokens == 0
+    return cold
+
+
+def assert_warm_equals_cold(url, warm_generations):
+    """Every request that hit gives, token for token and logprob for logprob, what it gives on
+    an empty cache; and requests with different prompts gave different outputs (so equality is
+    not a constant model's)."""
+    hits = [g for g in warm_generations if g.cached_tokens > 0]
+    assert hits, "no request hit: nothing to compare"
+    for warm in hits:
+        cold = _cold(url, warm)
+        assert warm.output_ids == cold.output_ids, f"hit of {warm.cached_tokens} tokens changed the output"
+        assert warm.logprobs == pytest.approx(cold.logprobs, abs=1e-6)
+    outputs = {tuple(g.output_ids) for g in warm_generations}
+    assert len(outputs) > 1, "different prompts gave the same output"
+
+
+def test_swa_server_uses_marconi(swa_server):
+    from http_api import marconi_figures
+
+    figures = marconi_figures(swa_server.url)
+    assert figures["marconi_eviction_policy"] == "marconi-swa", figures
+    assert figures["marconi_sliding_window"] in (SLIDING_WINDOW - 1, SLIDING_WINDOW)
+
+
+def test_shared_system_prompt_longer_than_window_hits_from_third_request(swa_server):
+    from http_api import flush_cache, generate
+
+    url = swa_server.url
+    flush_cache(url)
+    system = tokens(1, 3 * SLIDING_WINDOW + 5)
+    # Each user's question starts with a different word, so requests branch right after `system`.
+    runs = [generate(url, system + [10 + i] + tokens(100 + i, 12)) for i in range(4)]
+    # 1st: empty cache. 2nd: the full KV of `system` is there, but the window before its end was
+    # freed as the 1st request slid past it (a hit needs that window's KV): at most the prefix up
+    # to the 1st request's first chunk, cached while its window was live. The 2nd inserts its
+    # prefix up to the branch point while that window is live: from the 3rd on, the whole prompt.
+    assert runs[0].cached_tokens == 0
+    assert runs[1].cached_tokens in (0, CHUNK)
+    assert [r.cached_tokens for r in runs[2:]] == [len(system), len(system)]
+    assert_warm_equals_cold(url, runs)
+
+
+def test_multi_turn_chat_hits_its_previous_turn(swa_server):
+    from http_api import flush_cache, generate
+
+    url = swa_server.url
+    flush_cache(url)
+    history = tokens(2, 50)
+    turns = []
+    for turn in range(3):
+        g = generate(url, history, max_new_tokens=8)
+        turns.append(g)
+        history = history + g.output_ids + tokens(200 + turn, 20)
+    for previous, g in zip(turns, turns[1:]):
+        # Everything the previous turn computed KV for: its prompt and output, less the last
+        # sampled token (the window before it is the one a finished request keeps).
+        assert g.cached_tokens == len(previous.input_ids) + len(previous.output_ids) - 1
+    assert_warm_equals_cold(url, turns)
+
+
+def test_under_swa_pressure_hits_never_cross_a_broken_window(swa_server):
+    from http_api import flush_cache, generate, marconi_figures
+
+    url = swa_server.url
+    flush_cache(url)
+    before = marconi_figures(url)
+    shared = tokens(3, 4 * SLIDING_WINDOW)
+    runs = []
+
+    def ask(input_ids):
+        runs.append(generate(url, input_ids, max_new_tokens=6))
+        return runs[-1]
+
+    for i in range(3):  # a branch point at len(shared), with its window
+        ask(shared + [20 + i] + tokens(300 + i, 10))
+    # A prefix of `shared` cut mid-way: its full KV is cached, its window is not (slid past).
+    cut = ask(shared[:3 * SLIDING_WINDOW] + [40] + tokens(400, 10))
+    for i in range(10):  # unrelated traffic: more SWA KV than the pool holds
+        ask(tokens(500 + i, 90))
+    for i in range(3):  # back to the shared prefix, and to the cut
+        ask(shared + [60 + i] + tokens(600 + i, 10))
+    ask(shared[:3 * SLIDING_WINDOW] + [41] + tokens(700, 10))
+
+    figures = marconi_figures(url)
+    evicted = sum(figures[f"marconi_evictions_{k}"] - before[f"marconi_evictions_{k}"]
+                  for k in ("stale", "window", "leaf", "fallback"))
+    assert evicted > 0, f"no SWA eviction: no pressure ({figures})"
+    # A hit cut short by a window that is not there: the full KV of 3 windows matched, no hit.
+    assert cut.cached_tokens == 0 < common_prefix(cut.input_ids, runs[0].input_ids) - SLIDING_WINDOW
+    for i, g in enumerate(runs):  # a hit never exceeds what an earlier request shared
+        shared_before = max((common_prefix(g.input_ids, e.input_ids) for e in runs[:i]), default=0)
+        assert g.cached_tokens <= shared_before
+    assert_warm_equals_cold(url, runs)

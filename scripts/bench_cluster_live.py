@@ -17,6 +17,7 @@ its times are CPU/tiny-model times, so only ratios are printed. On a GPU host pa
     python scripts/bench_cluster_live.py [--quick] [--workers 2] [--out out/cluster-live]
     python scripts/bench_cluster.py --live --quick        # the same (bench_cluster delegates here)
     python scripts/bench_cluster_live.py --device cuda --model-path nvidia/NVIDIA-Nemotron-Nano-9B-v2 -- --tp 1
+    python scripts/bench_cluster_live.py --device cuda --model-path M --gpus-per-worker 0 -- --mem-fraction-static 0.4
 """
 
 from __future__ import annotations
@@ -106,7 +107,10 @@ def run_launcher(launcher: str, model, traces: dict, args, logs: Path) -> dict:
     """Every workload under each gateway policy and on a single worker, over one set of workers."""
     flags = (*(CPU_BENCH_FLAGS if args.device == "cpu" else ()), *args.extra)
     threads = max(1, args.cpus // args.workers) if args.device == "cpu" else None
-    workers = [spawn_worker(model, free_port(), launcher=launcher, extra_args=flags, device=args.device,
+    def gpu(i):  # worker i's first GPU (SGLang's --base-gpu-id); 0 GPUs per worker: all share GPU 0
+        return ("--base-gpu-id", str(i * args.gpus_per_worker)) if args.device == "cuda" else ()
+
+    workers = [spawn_worker(model, free_port(), launcher=launcher, extra_args=(*gpu(i), *flags), device=args.device,
                             log_path=logs / f"{launcher}-worker{i}.log", threads=threads, hard_limit_s=7200)
                for i in range(args.workers)]
     results: dict = {w: {} for w in traces}
@@ -171,6 +175,9 @@ def parse_args(argv):
     p.add_argument("--gateway-args", default="", help="more smg flags, one string (e.g. \"--cache-threshold 0.5\")")
     p.add_argument("--model-path", help="model to serve (default on CPU: a tiny random gated-delta hybrid)")
     p.add_argument("--device", default="cpu", help="cpu (SGLang's CPU engine, tiny model) or cuda")
+    p.add_argument("--gpus-per-worker", type=int, default=1,
+                   help="with --device cuda: worker i starts at GPU i x this (0: all on GPU 0; then pass "
+                        "SGLang's --mem-fraction-static after --)")
     p.add_argument("--max-concurrency", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--ready-timeout", type=float, default=900.0)
@@ -181,8 +188,11 @@ def parse_args(argv):
     args.gateway_args = args.gateway_args.split()
     args.launchers = args.launchers.split(",")
     args.policies = args.policies.split(",")
-    for name, given, known in (("launcher", args.launchers, LAUNCHERS), ("workload", args.workloads.split(","), None)):
-        bad = [g for g in given if known and g not in known]
+    from sglang_marconi.sim.synthetic import SYNTHETIC_KINDS
+
+    for name, given, known in (("launcher", args.launchers, LAUNCHERS),
+                               ("workload", args.workloads.split(","), SYNTHETIC_KINDS)):
+        bad = [g for g in given if g not in known]
         if bad:
             p.error(f"unknown {name} {bad[0]!r}: expected one of {', '.join(known)}")
     if args.workers < 1:

@@ -24,6 +24,16 @@ Where the branch state comes from depends on SGLang's Mamba radix-cache strategy
   latest tracked state before the branch, never fewer than upstream keeps there.
 The tokens between the branch and the admitted state are counted (`grid_lost_tokens`).
 
+Probation (`--marconi-probation on`, the default): a prefix that recurs exactly twice in a row (a
+request, then one that extends its input) has no branch state at its second use, so Marconi alone
+would first hit it at the third, where upstream (a state at every extend's end) hits at the second.
+So the checkpoint at the end of a request's input (its last prefill extend) also admits the state
+it offers, as a *probationary* state: only into a free Mamba slot or one freed from another
+probationary state, evicted before any other state under Mamba pressure (oldest first), and
+confirmed (a regular state from then on) by a match that reuses it or a regular state committed
+on its node (`MarconiTreeIndex.probation`). The policy core's `HybridPrefixCache(probation=True)`
+models the same, and the runtime's shadow caches run with it.
+
 The class is built lazily (`admission_mixin()`) so importing this module needs no SGLang.
 """
 
@@ -39,11 +49,17 @@ class AdmissionCounters:
     checkpoints_declined: int = 0  # per-chunk / decode checkpoints that Marconi keeps out
     skipped_no_slot: int = 0  # branch states dropped because no Mamba slot could be had
     grid_lost_tokens: int = 0  # sum over admitted branch states of branch position - admitted position
+    probationary_admitted: int = 0  # states kept on probation at the end of an input
 
 
 def branch_position(req) -> int | None:
     """The branch checkpoint this request should leave, if any (set at match time)."""
     return getattr(req, "mamba_branching_seqlen", None)
+
+
+def ends_input(req, checkpoint_end: int) -> bool:
+    """Is this checkpoint the request's last prefill extend (the one that ends at its input)?"""
+    return checkpoint_end == len(req.origin_input_ids)
 
 
 def chunk_end_for_branch(req, proposed_end: int) -> int:
@@ -123,6 +139,13 @@ def admission_mixin():
                 self._admission_fault("checkpoint", exc)
                 return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
             if not admits:
+                probationary = self._marconi_probation_admits(req, position, token_ids_len)
+                if probationary:
+                    cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+                    if cache_len:
+                        insert_params.marconi_probationary = True
+                        counters.probationary_admitted += 1
+                    return cache_len
                 counters.checkpoints_declined += 1
                 self.__dict__.setdefault("_marconi_declined", set()).add(req.rid)
                 return 0
@@ -150,6 +173,20 @@ def admission_mixin():
             cut = getattr(req, "marconi_branch_cut", None)
             return position == (branch if cut is None else cut)
 
+        def _marconi_probation_admits(self, req, position, checkpoint_end) -> bool:
+            """Keep the state at the end of the input on probation, if a Mamba slot can be had
+            without evicting anything but other probationary states."""
+            settings = getattr(self, "_marconi_settings", None)
+            if settings is None or not settings.probation or position is None or position <= 0:
+                return False
+            if not ends_input(req, checkpoint_end):
+                return False
+            try:
+                return self._marconi_reserve_slot(probation_only=True)
+            except Exception as exc:
+                self._admission_fault("probationary slot", exc)
+                return False
+
         def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
             declined = self.__dict__.get("_marconi_declined")
             if not is_finished and declined and req.rid in declined:
@@ -160,14 +197,24 @@ def admission_mixin():
                 return
             super().cleanup_after_caching_req(req, is_finished, insert_result=insert_result, insert_params=insert_params)
 
-        def _marconi_reserve_slot(self) -> bool:
-            """Make sure one Mamba slot is free for the branch state, evicting if we can."""
+        def _marconi_reserve_slot(self, probation_only: bool = False) -> bool:
+            """Make sure one Mamba slot is free for the branch state, evicting if we can
+            (`probation_only`: evicting probationary states only)."""
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
             allocator = self.cache.req_to_token_pool.mamba_allocator
             if allocator.available_size() >= 1:
                 return True
-            self.cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
+            index = getattr(self, "marconi", None)
+            if probation_only and (index is None or not index.probation):
+                return False
+            if probation_only:
+                index.probation_only = True
+            try:
+                self.cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
+            finally:
+                if probation_only:
+                    index.probation_only = False
             return allocator.available_size() >= 1
 
     return MarconiAdmission

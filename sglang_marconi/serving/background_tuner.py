@@ -63,7 +63,8 @@ class BackgroundShadowTuner:
     stops the child and returns its log (None if it failed)."""
 
     def __init__(self, profile, capacity_bytes: int, config: ShadowConfig, *, state_slots: int | None = None,
-                 checkpoint_grid: int = 1, page_size: int = 1, stall_s: float = 60.0, sync_every: int = 32):
+                 checkpoint_grid: int = 1, page_size: int = 1, stall_s: float = 60.0, sync_every: int = 32,
+                 probation: bool = False):
         self.config = config
         self.choices = config.choices
         self.current: Choice = config.start
@@ -87,7 +88,7 @@ class BackgroundShadowTuner:
         self._proc = ctx.Process(
             target=run_shadow_tuner, name="marconi-shadow-tuner", daemon=True,
             args=(self._ring, result_send, self._state, os.getpid(), profile, capacity_bytes, state_slots, config,
-                  checkpoint_grid, page_size, sync_every),
+                  checkpoint_grid, page_size, sync_every, probation),
         )
         _start_without_main(self._proc)
         result_send.close()
@@ -284,12 +285,12 @@ class SyncRecorder:
 
 
 def run_shadow_tuner(ring: SharedRing, result_send, state, parent_pid, profile, capacity_bytes, state_slots, config,
-                     checkpoint_grid, page_size, sync_every) -> None:
+                     checkpoint_grid, page_size, sync_every, probation=False) -> None:
     """Observe requests from `ring` until the parent closes it (or exits); publish the choice,
     scores and sync table in `state`; send the final `TunerLog` on `result_send`."""
     _yield_to_the_scheduler()
     tuner = ShadowTuner(profile, capacity_bytes, config, checkpoint_grid=checkpoint_grid, page_size=page_size,
-                        state_slots=state_slots)
+                        state_slots=state_slots, probation=probation)
     table = _SCORES + len(tuner.choices)
 
     def record(k: int, index: int) -> None:

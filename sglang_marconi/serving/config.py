@@ -28,6 +28,7 @@ class MarconiServingConfig:
     retune: bool = True  # off: adopt the tuner's first decision and stop tuning (the paper tunes once)
     objective: str = "flops"
     admission: bool = True  # Marconi's admission (<= 2 SSM states per request); off: upstream's
+    probation: bool = True  # with admission: a probationary state at the end of each input (evicted first)
     tune_workers: int = 1  # 0: shadows on the scheduler thread (tests, debugging); >= 1: one background process
     tune_sample_rate: float = 1.0
     tune_epoch: int = ShadowConfig.epoch
@@ -109,6 +110,9 @@ def add_marconi_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--marconi-retune", default="on", help="on: follow the tuner; off: adopt its first decision only")
     g.add_argument("--marconi-objective", default="flops", help=f"tuning objective: {', '.join(OBJECTIVES)}")
     g.add_argument("--marconi-admission", default="on", help="on: at most two SSM states per request; off: upstream's")
+    g.add_argument("--marconi-probation", default="on",
+                   help="on: also keep the state at the end of each input on probation (evicted first, a reuse "
+                        "confirms it), so a prefix used twice in a row hits at its second use; off: Marconi's two only")
     g.add_argument("--marconi-tune-workers", default="1",
                    help="1: shadow caches in a background process; 0: on the scheduler thread (debugging)")
     g.add_argument("--marconi-tune-sample-rate", default="1", help="share of sessions the shadow caches see")
@@ -149,6 +153,7 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
         retune=_on_off("--marconi-retune", ns.marconi_retune),
         objective=ns.marconi_objective,
         admission=_on_off("--marconi-admission", ns.marconi_admission),
+        probation=_on_off("--marconi-probation", ns.marconi_probation),
         tune_workers=workers,
         tune_sample_rate=_number("--marconi-tune-sample-rate", ns.marconi_tune_sample_rate),
         tune_epoch=_number("--marconi-tune-epoch", ns.marconi_tune_epoch, int),

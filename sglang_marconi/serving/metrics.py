@@ -38,6 +38,8 @@ GAUGES = {
     "marconi_ssm_states_admitted": "SSM states admitted into the tree (at most two per request: branch and final).",
     "marconi_evictions_leaf": "Evictions of leaves (KV and SSM state freed).",
     "marconi_evictions_single_child": "Evictions of a single-child node's SSM state (KV kept).",
+    "marconi_evictions_probationary": "Probationary SSM states (kept at the end of an input) evicted, first under Mamba pressure.",
+    "marconi_probationary_states_admitted": "SSM states kept on probation at the end of an input.",
     "marconi_admissions_skipped_no_slot": "Branch SSM states not admitted for lack of a Mamba slot.",
     "marconi_branch_tokens_lost_to_grid": "Tokens between branch positions and the admitted branch states before them (extra_buffer snapshot grid, chunk alignment).",
     "marconi_blocked_hit_tokens": "Tokens with a full-KV hit that could not be reused for lack of an SSM state.",

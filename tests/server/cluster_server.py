@@ -13,6 +13,7 @@ healthy. `Cluster.stop()` stops every process group it started: SIGTERM, a short
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import subprocess
@@ -214,6 +215,8 @@ def parse_cluster_args(argv):
     p.add_argument("--model-path", help="serve this model instead of writing a tiny one")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the workers")
     args, gateway_args = p.parse_known_args(argv)
+    if importlib.util.find_spec("smg") is None:
+        p.error("smg (SGLang's gateway) is not installed: pip install smg==1.13.0 (requirements/sglang-cpu.txt)")
     if args.workers < 1:
         p.error(f"--workers must be at least 1, got {args.workers}")
     base = args.worker_base_port or args.port + 1

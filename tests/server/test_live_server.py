@@ -154,7 +154,11 @@ def test_long_prompts_leave_at_most_two_states_each(server):
         generate(server.url, prompt, max_new_tokens=6)
         after = marconi_figures(server.url)
         assert after["marconi_ssm_states_admitted"] - figures["marconi_ssm_states_admitted"] <= 2
-        assert after["marconi_ssm_states_cached"] - figures["marconi_ssm_states_cached"] <= 2
+        # plus at most one on probation, at the end of the input (--marconi-probation, the default)
+        probationary = (after["marconi_probationary_states_admitted"]
+                        - figures["marconi_probationary_states_admitted"])
+        assert probationary <= 1
+        assert after["marconi_ssm_states_cached"] - figures["marconi_ssm_states_cached"] <= 2 + probationary
     after = marconi_figures(server.url)
     assert after["marconi_ssm_states_admitted"] - before["marconi_ssm_states_admitted"] >= len(prompts)
     assert after["marconi_evictions_leaf"] == before["marconi_evictions_leaf"]  # nothing left by eviction

@@ -8,9 +8,6 @@ test-only page-major stand-in (`tests/cpu_engine/page_major_attention.py`, check
 `test_page_major_attention.py`). no_buffer Mamba strategy (overlap scheduling off), the
 `marconi` launcher: the flag combination, not the launchers, is what this module adds.
 
-Not imported: `test_long_prompts_leave_at_most_two_states_each`. Under unified memory one
-5-chunk prompt raised `marconi_ssm_states_cached` by 3 (gated-delta; the bound is 2), not yet
-explained (the admission counter stayed within 2): an open item, not a pass.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from test_live_server import (  # noqa: E402,F401  (the end-to-end scenarios, ru
     test_figures_and_gauges_agree_with_the_responses,
     test_frontend_program_many_users_one_system_prompt,
     test_frontend_program_multi_turn_agent,
+    test_long_prompts_leave_at_most_two_states_each,
     test_multi_turn_chat_reuses_the_previous_turn,
     test_shared_system_prompt_hits_from_the_third_request,
     test_the_scheduler_runs_the_marconi_cache,

@@ -6,9 +6,11 @@ Kinds (`write_tiny_model(kind, out_dir)`):
 - `mamba2`: Nemotron-H (2 Mamba2 layers, 1 attention layer, 1 MLP), in the legacy config keys
   (`hybrid_override_pattern`, `mamba_n_groups`) SGLang 0.5.23's config class reads;
 - `dense`: Llama (attention only), for the "no SSM layers, upstream's cache" path;
-- `sliding-window`: Mellum (Qwen3-MoE with interleaved sliding-window / full attention: 3
-  sliding-window layers with a `SLIDING_WINDOW`-token window, 1 global layer, dense and MoE MLPs),
-  one of the SWA hybrids SGLang serves through its SWA cache component (no SSM layers).
+- `sliding-window`: Mellum (Qwen3-MoE family with interleaved sliding-window / full attention: 3
+  sliding-window layers with a `SLIDING_WINDOW`-token window, 1 global layer), one of the SWA
+  hybrids SGLang serves through its SWA cache component (no SSM layers). Dense MLPs only: with
+  MoE layers, SGLang's CPU MoE path gives results that depend on how many tokens share the
+  forward, so a prefix hit moved output logprobs by up to 0.005 with any cache (measured).
 
 Why whole words: a random model emits arbitrary token sequences. With byte-level BPE those decode
 to broken UTF-8 and re-tokenise differently, so text-based clients (SGLang frontend programs)
@@ -131,7 +133,7 @@ def _hf_config(kind: str, eos_id: int) -> dict:
         layer_types = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
         return dict(common, architectures=["MellumForCausalLM"], model_type="mellum", intermediate_size=128,
                     num_hidden_layers=len(layer_types), layer_types=layer_types,
-                    mlp_layer_types=["dense", "sparse", "dense", "sparse"], sliding_window=SLIDING_WINDOW,
+                    mlp_layer_types=["dense"] * len(layer_types), sliding_window=SLIDING_WINDOW,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
                     attention_bias=False, attention_dropout=0.0, moe_intermediate_size=32, num_experts=4,
                     num_experts_per_tok=2, norm_topk_prob=True,

@@ -24,7 +24,8 @@ Eviction under SWA pressure (`MarconiSWAComponent`), one plan per step over the 
   `marconi_scores`), FLOPs saved = prefill FLOPs from the nearest reuse point above to this one;
   the lowest goes first;
 - with nothing of ours left (everything locked, or held only by locked windows) the step is
-  upstream's LRU walk, so an allocation never fails where upstream's would succeed.
+  upstream's LRU walk, so an allocation never fails where upstream's would succeed; an exception
+  in the plan costs one warning and hands every later walk to upstream (`marconi_fault`).
 The plan is rebuilt at every step (O(nodes)): fine for the trees of a CPU test server, a
 candidate index like `eviction_components.MarconiTreeIndex` is the step for large trees.
 Full-KV pressure keeps SGLang's leaf LRU.
@@ -100,7 +101,10 @@ class SWARuntime:
         pass
 
     def metrics(self, cache) -> dict:
-        return self.figures.as_dict(self.settings.alpha, self.settings.window)
+        figures = self.figures.as_dict(self.settings.alpha, self.settings.window)
+        if self.settings.faulted:
+            figures.update(marconi_eviction_policy="upstream", marconi_fault=self.settings.faulted)
+        return figures
 
 
 @dataclass
@@ -109,6 +113,12 @@ class SWASettings:
     alpha: float
     window: int
     figures: SWAFigures
+    faulted: str | None = None  # set by the first exception in Marconi's plan: upstream's walk after
+
+    def fault(self, exc: BaseException) -> None:
+        if self.faulted is None:
+            log.warning("Marconi SWA eviction failed (%r); SGLang's own SWA eviction from now on", exc)
+            self.faulted = repr(exc)
 
 
 def _normalized(values: np.ndarray) -> np.ndarray:
@@ -195,7 +205,8 @@ def marconi_swa_component_class():
         def _evict_device_start(self, request_cnt: int) -> None:
             self._marconi_pending: list = []
             self._marconi_upstream = bool(self.tree_core.enable_session_radix_cache or self.tree_core.enable_hicache)
-            if self._marconi_upstream:
+            if self._marconi_upstream or self.marconi_swa_settings.faulted:
+                self._marconi_upstream = True
                 return super()._evict_device_start(request_cnt)
             self._evict_device_request_cnt = request_cnt
             self._evict_device_cursor = None
@@ -219,8 +230,12 @@ def marconi_swa_component_class():
                         continue
                     self._tombstone(node, tracker, device_frees, host_frees, cache_actions)
                     return None
-                plan = plan_victims(self.tree_core, ct, ComponentType.FULL, settings,
-                                    self.tree_core.evictable_device_leaves)
+                try:
+                    plan = plan_victims(self.tree_core, ct, ComponentType.FULL, settings,
+                                        self.tree_core.evictable_device_leaves)
+                except Exception as exc:  # Marconi's own fault: upstream's eviction from now on
+                    settings.fault(exc)
+                    plan = []
                 if not plan:
                     break
                 kind, nodes = plan[0]

@@ -216,3 +216,6 @@ def test_under_swa_pressure_hits_never_cross_a_broken_window(swa_server):
         shared_before = max((common_prefix(g.input_ids, e.input_ids) for e in runs[:i]), default=0)
         assert g.cached_tokens <= shared_before
     assert_warm_equals_cold(url, runs)
+    # SGLang's own pool accounting (checked whenever the scheduler idles) found every full-KV and
+    # SWA slot free, cached or held by a request: no page leaked by Marconi's tombstones.
+    assert "leak detected" not in swa_server.log_path.read_text(errors="replace")

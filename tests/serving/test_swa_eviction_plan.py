@@ -97,3 +97,10 @@ def test_candidates_ranked_by_recency_and_flops_per_byte(alpha, first):
     steps = plan(root, alpha=alpha)
     expected = long_old if first == "older" else short_new
     assert steps[0] == ("leaf", [expected.id])
+
+
+def test_a_fault_is_reported_once_and_named():
+    s = settings()
+    s.fault(ValueError("boom"))
+    s.fault(KeyError("later"))
+    assert s.faulted == "ValueError('boom')"

@@ -1,8 +1,9 @@
 """SGLang plugin entry point (group `sglang.srt.plugins`): registers the `marconi` radix-cache
 backend in every process that loads plugins, the spawned schedulers included.
 
-The factory builds SGLang's own `UnifiedRadixCache` with Marconi's components. Models without
-SSM layers get upstream's default cache, and a hybrid model whose config we cannot interpret
+The factory builds SGLang's own `UnifiedRadixCache` with Marconi's components. Global +
+sliding-window attention models without SSM layers get SGLang's SWA component with Marconi's
+window eviction (`serving/swa_component.py`); other models without SSM layers get upstream's default cache, and a hybrid model whose config we cannot interpret
 falls back to upstream's LRU with one warning: never a crash.
 
 Configurations in which Marconi cannot act fall back the same way: the factory builds exactly

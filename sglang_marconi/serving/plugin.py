@@ -3,8 +3,9 @@ backend in every process that loads plugins, the spawned schedulers included.
 
 The factory builds SGLang's own `UnifiedRadixCache` with Marconi's components. Global +
 sliding-window attention models without SSM layers get SGLang's SWA component with Marconi's
-window eviction (`serving/swa_component.py`); other models without SSM layers get upstream's default cache, and a hybrid model whose config we cannot interpret
-falls back to upstream's LRU with one warning: never a crash.
+window eviction (`serving/swa_component.py`); other models without SSM layers get upstream's
+default cache, and a hybrid model whose config we cannot interpret falls back to upstream's LRU
+with one warning: never a crash.
 
 Configurations in which Marconi cannot act fall back the same way: the factory builds exactly
 what SGLang's default selection chain builds (`default_radix_cache_factory`), with no Marconi
@@ -25,8 +26,9 @@ runtime and no tuner process, logs one warning naming the flag, and `/server_inf
 - `--speculative-algorithm` EAGLE / NEXTN (`params.is_eagle`): bigram tree keys and draft Mamba
   states, against which admission and the eviction index have not been verified.
 `--enable-unified-memory` is served: full KV and Mamba states share one byte buffer, the shadow
-tuner models that one budget (`runtime.shadow_budget`), and a byte shortfall of either kind picks
-its victim across both kinds (`unified_memory.py`).
+tuner models that one budget (`runtime.shadow_budget`), and a shortfall of Mamba bytes picks its
+victim across both kinds, KV leaves and SSM states, by FLOPs saved per byte (`unified_memory.py`;
+a KV shortfall evicts KV leaves, whose score already counts their state's bytes).
 Each is read where SGLang's factory reads it (`ctx.enable_hierarchical_cache`,
 `ctx.params.enable_session_radix_cache`, `ctx.params.eviction_policy`, `get_memory()`).
 """

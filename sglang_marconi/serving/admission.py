@@ -128,6 +128,8 @@ def admission_mixin():
                 cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
                 if cache_len:
                     counters.final_states_admitted += 1
+                elif self._marconi_confirm_own_probationary(req):
+                    counters.final_states_admitted += 1
                 return cache_len
             extra_buffer = self.cache.enable_mamba_extra_buffer
             if self._admission_faulted():
@@ -187,7 +189,30 @@ def admission_mixin():
                 self._admission_fault("probationary slot", exc)
                 return False
 
+        def _marconi_confirm_own_probationary(self, req) -> bool:
+            """extra_buffer mode: a request whose input-end state went to the tree on probation and
+            that tracked none since (a decode shorter than the snapshot grid) has no final state to
+            donate; its last state *is* that one, so it becomes its final state: confirmed."""
+            node = getattr(req, "marconi_probation_node", None)
+            if node is None:
+                return False
+            req.marconi_probation_node = None
+            try:
+                index = self.marconi
+                if index.probation.get(node.id) is not node or node.component_data[self.component_type].value is None:
+                    return False
+                index.confirm(node)
+                return True
+            except Exception as exc:
+                self._admission_fault("final state on probation", exc)
+                return False
+
         def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
+            if not is_finished and insert_params is not None:
+                # the node the probationary state went to (`commit_insert_component_data`), if any
+                node = getattr(insert_params, "marconi_probation_node", None)
+                if node is not None:
+                    req.marconi_probation_node = node
             declined = self.__dict__.get("_marconi_declined")
             if not is_finished and declined and req.rid in declined:
                 # Nothing was donated: keep the request's tracked state (extra-buffer mode), which

@@ -782,6 +782,7 @@ def _component_classes():
                     if getattr(params, "marconi_probationary", False):
                         if not result.mamba_exist:  # a new state, not a reuse of one already there
                             self.marconi.put_on_probation(node)
+                            params.marconi_probation_node = node  # the admission tells the request
                     else:
                         self.marconi.confirm(node)
                 except Exception as exc:

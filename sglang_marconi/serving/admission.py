@@ -31,8 +31,10 @@ So the checkpoint at the end of a request's input (its last prefill extend) also
 it offers, as a *probationary* state: only into a free Mamba slot or one freed from another
 probationary state, evicted before any other state under Mamba pressure (oldest first), and
 confirmed (a regular state from then on) by a match that reuses it or a regular state committed
-on its node (`MarconiTreeIndex.probation`). The policy core's `HybridPrefixCache(probation=True)`
-models the same, and the runtime's shadow caches run with it.
+on its node (`MarconiTreeIndex.probation`). In extra_buffer mode the state offered there is the
+extend's last snapshot; a request that tracks none after it (a decode shorter than the snapshot
+grid) has no other final state, so at finish that one is confirmed as its final state. The policy
+core's `HybridPrefixCache(probation=True)` models the same, and the runtime's shadow caches run with it.
 
 The class is built lazily (`admission_mixin()`) so importing this module needs no SGLang.
 """

@@ -26,9 +26,7 @@ import argparse
 import json
 import platform
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +38,7 @@ sys.path.insert(0, str(REPO / "tests" / "server"))  # the cluster harness and th
 
 from cluster_server import gateway_ready, spawn_gateway, spawn_worker, stop_all, wait_ready  # noqa: E402
 from live_server import free_port  # noqa: E402
-from serving_load import _continuation, server_counters, stream_generate, to_vocab  # noqa: E402
+from serving_load import replay_samples, server_counters  # noqa: E402
 
 LAUNCHERS = ("sglang", "marconi")
 POLICIES = ("round_robin", "cache_aware")
@@ -55,33 +53,6 @@ def workload(kind: str, quick: bool):
     return list(generate(kind, sessions=sessions, scale=0.1 if kind == "lmsys" else 0.5))
 
 
-def replay(url: str, trace, concurrency: int, vocab_size: int, max_new_tokens: int) -> list:
-    """Replay `trace` (sim Requests) sessions `concurrency` at a time; one serving_load Sample per request."""
-    sessions: dict = {}
-    for r in trace:
-        sessions.setdefault(r.session_id, []).append(r)
-    samples, lock = [], threading.Lock()
-
-    def run_session(turns) -> None:
-        sent = []  # (trace request, input ids, output ids)
-        for r in turns:
-            ids = to_vocab(r.input_tokens, vocab_size)
-            for prev, prev_in, prev_out in reversed(sent):  # the latest earlier turn it continues
-                k = _continuation(prev, r)
-                if k:
-                    ids = prev_in + prev_out + ids[k:]
-                    break
-            sample, out = stream_generate(url, ids, max(1, min(r.output_len, max_new_tokens)))
-            sent.append((r, ids, out))
-            with lock:
-                samples.append(sample)
-
-    with ThreadPoolExecutor(concurrency) as pool:
-        for future in [pool.submit(run_session, turns) for turns in sessions.values()]:
-            future.result()
-    return samples
-
-
 def flush(url: str) -> None:
     requests.post(url + "/flush_cache", params={"timeout": 60}, timeout=600).raise_for_status()
 
@@ -91,7 +62,7 @@ def measure(url: str, workers: list[str], trace, args) -> dict:
     for w in workers:
         flush(w)
     before = [server_counters(w)["prompt_tokens"] for w in workers]
-    samples = replay(url, trace, args.max_concurrency, args.vocab_size, args.max_new_tokens)
+    samples = replay_samples(url, trace, args.max_concurrency, args.vocab_size, args.max_new_tokens)
     per_worker = [server_counters(w)["prompt_tokens"] - b for w, b in zip(workers, before)]
     prompt = sum(s.prompt_tokens for s in samples)
     cached = sum(s.cached_tokens for s in samples)

@@ -147,9 +147,11 @@ def _continuation(prev, request) -> int:
     return 0
 
 
-def replay_sessions(url: str, trace_requests, concurrency: int, vocab_size: int, max_new_tokens: int = 64,
-                    progress: bool = True) -> LoadResult:
-    """Replay `trace_requests` (sim `Request`s in arrival order), sessions `concurrency` at a time."""
+def replay_samples(url: str, trace_requests, concurrency: int, vocab_size: int, max_new_tokens: int = 64,
+                   progress: bool = False) -> list[Sample]:
+    """Replay `trace_requests` (sim `Request`s in arrival order), sessions `concurrency` at a time; a
+    turn that continues an earlier one is sent as that turn's input and actual output plus its rest.
+    One `Sample` per request."""
     from tqdm import tqdm
 
     sessions: dict[str, list] = {}
@@ -175,13 +177,20 @@ def replay_sessions(url: str, trace_requests, concurrency: int, vocab_size: int,
                 samples.append(sample)
                 bar.update()
 
-    before = server_counters(url)
-    started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         for future in [pool.submit(run_session, turns) for turns in sessions.values()]:
             future.result()
-    duration = time.perf_counter() - started
     bar.close()
+    return samples
+
+
+def replay_sessions(url: str, trace_requests, concurrency: int, vocab_size: int, max_new_tokens: int = 64,
+                    progress: bool = True) -> LoadResult:
+    """Replay `trace_requests` (`replay_samples`) and summarise it with the server's counters."""
+    before = server_counters(url)
+    started = time.perf_counter()
+    samples = replay_samples(url, trace_requests, concurrency, vocab_size, max_new_tokens, progress)
+    duration = time.perf_counter() - started
     after = server_counters(url)
     out_tokens = sum(s.output_tokens for s in samples)
     return LoadResult(

@@ -109,6 +109,21 @@ class _PostImportPatcher(importlib.abc.MetaPathFinder):
         return None
 
 
+def add(patches: dict) -> None:
+    """Join `patches` (module name -> patch) to PATCHES: a module patched there already gets both,
+    the one already there first (each wraps what it finds, so a later one goes outside)."""
+    for name, patch in patches.items():
+        first = PATCHES.get(name)
+        if first is None:
+            PATCHES[name] = patch
+        else:
+            def both(module, first=first, second=patch):
+                first(module)
+                second(module)
+
+            PATCHES[name] = both
+
+
 def install() -> None:
     """Patch the listed modules already imported, and every other one when it is imported."""
     if any(isinstance(f, _PostImportPatcher) for f in sys.meta_path):

@@ -160,18 +160,3 @@ PATCHES = {
     "sglang.srt.layers.attention.torch_native_backend": _torch_native_reads_page_major,
     "sglang.srt.arg_groups.kv_cache_hook": _gate_admits_torch_native_on_cpu,
 }
-
-
-def add_to(patches: dict) -> None:
-    """Join PATCHES to `kernel_patches.PATCHES`: a module patched there too gets both patches,
-    the one already there first (each wraps what it finds)."""
-    for name, patch in PATCHES.items():
-        first = patches.get(name)
-        if first is None:
-            patches[name] = patch
-        else:
-            def both(module, first=first, second=patch):
-                first(module)
-                second(module)
-
-            patches[name] = both

@@ -15,7 +15,7 @@ by name (CUDA, MUSA, NPU, HIP, XPU). Here the in-tree CPU platform answers the s
   (`HybridLinearAttnBackend._track_mamba_state_extend`); the conv windows are copied by
   SGLang's own torch code.
 
-Loaded by `sitecustomize` only with SGLANG_USE_CPU_ENGINE=1 (`add_to` joins its `PATCHES` to
+Loaded by `sitecustomize` only with SGLANG_USE_CPU_ENGINE=1 (`kernel_patches.add` joins its `PATCHES` to
 `kernel_patches.PATCHES`); checked by `tests/server/test_state_snapshots.py` against SGLang's
 no_buffer path (a state copied with `MambaPool.copy_from`, and prefills that end where a
 snapshot was taken).
@@ -69,17 +69,3 @@ PATCHES = {
         track_mamba_states_if_needed="state_snapshot.track_mamba_states_if_needed",
         track_mamba_states_all_layers="state_snapshot.track_mamba_states_all_layers"),
 }
-
-
-def add_to(patches: dict) -> None:
-    """Join PATCHES to `kernel_patches.PATCHES`: a module listed in both gets both patches."""
-    for name, patch in PATCHES.items():
-        first = patches.get(name)
-        if first is None:
-            patches[name] = patch
-        else:
-            def both(module, first=first, second=patch):
-                first(module)
-                second(module)
-
-            patches[name] = both

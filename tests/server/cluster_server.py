@@ -185,7 +185,7 @@ def start_cluster(model_dir, *, workers: int = 2, policy: str = "cache_aware", l
     return Cluster(gateway.url, gateway, started[1:], policy, log_dir, started)
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
     import socket
 
     with socket.socket() as s:
@@ -221,7 +221,7 @@ def parse_cluster_args(argv):
         p.error(f"--workers must be at least 1, got {args.workers}")
     base = args.worker_base_port or args.port + 1
     args.ports = [args.port, *range(base, base + args.workers)]
-    busy = [port for port in args.ports if not _port_free(port)]
+    busy = [port for port in args.ports if not port_free(port)]
     if busy:
         p.error(f"port {busy[0]} is in use (gateway --port {args.port}, workers from {base})")
     return args, gateway_args, worker_args

@@ -28,6 +28,7 @@ pytest.importorskip("smg")
 psutil = pytest.importorskip("psutil")
 requests = pytest.importorskip("requests")
 
+from cluster_server import port_free  # noqa: E402
 from http_api import Generation, flush_cache, marconi_figures  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,17 +72,6 @@ def run_workload(url: str) -> list[tuple[Generation, str | None]]:
     return out
 
 
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 _HANDED_OUT: set[int] = set()  # ports given to clusters not yet listening on them
 
 
@@ -92,7 +82,7 @@ def _free_ports(n: int) -> tuple[int, int]:
     while True:
         gateway, base = free_port(), free_port()
         ports = [gateway, *range(base, base + n)]
-        if len(set(ports)) == n + 1 and not _HANDED_OUT & set(ports) and all(_port_free(p) for p in ports):
+        if len(set(ports)) == n + 1 and not _HANDED_OUT & set(ports) and all(port_free(p) for p in ports):
             _HANDED_OUT.update(ports)
             return gateway, base
 

@@ -60,16 +60,3 @@ def patch_backend(module) -> None:
 
 
 BACKEND_MODULE = "sglang.srt.layers.attention.torch_native_backend"
-
-
-def add_to(patches: dict) -> None:
-    """Add `patch_backend` to `kernel_patches.PATCHES`, after any patch already there for the
-    backend's module (page_major_attention's wraps the same methods; this wrapper goes outside)."""
-    previous = patches.get(BACKEND_MODULE)
-
-    def patch(module):
-        if previous is not None:
-            previous(module)
-        patch_backend(module)
-
-    patches[BACKEND_MODULE] = patch

@@ -18,13 +18,14 @@ def marconi_scores(last_access: np.ndarray, efficiency: np.ndarray, alpha: float
     """S = norm(recency) + alpha * norm(flop_efficiency), each min-max normalized to [0, 1].
 
     A column whose values are all equal normalizes to 0 (it cannot rank anything)."""
-    scores = _minmax(last_access)
+    scores = minmax(last_access)
     if alpha:
-        scores += alpha * _minmax(efficiency)
+        scores += alpha * minmax(efficiency)
     return scores
 
 
-def _minmax(values: np.ndarray) -> np.ndarray:
+def minmax(values: np.ndarray) -> np.ndarray:
+    """Min-max normalized to [0, 1]; all equal: zeros."""
     lo = values.min()
     span = values.max() - lo
     if span <= 0:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sglang_marconi.policy.candidate_index import minmax
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.radix_tree import Node, RadixTree, as_token_array
 
@@ -94,11 +95,6 @@ class _Candidates:
             moved.slot = slot
         self.items.pop()
         node.slot = -1
-
-
-def _minmax(x: np.ndarray) -> np.ndarray:
-    span = x.max() - x.min()
-    return (x - x.min()) / span if span > 0 else np.zeros(len(x))
 
 
 class WindowPrefixCache:
@@ -391,7 +387,7 @@ class WindowPrefixCache:
             return None
         if self.rules.ranking == "flops" and self.alpha:
             idx = np.flatnonzero(mask)
-            score = _minmax(last[idx]) * (1.0 + 1e-12) + self.alpha * _minmax(value[idx])
+            score = minmax(last[idx]) * (1.0 + 1e-12) + self.alpha * minmax(value[idx])
             i = int(idx[int(score.argmin())])
         else:
             i = int(np.where(mask, last, np.inf).argmin())

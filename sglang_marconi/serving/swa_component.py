@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sglang_marconi.policy.candidate_index import marconi_scores
+
 log = logging.getLogger("sglang_marconi")
 DEFAULT_SWA_ALPHA = 1.0  # no online tuning for windows in the server yet: a fixed FLOP weight
 
@@ -121,11 +123,6 @@ class SWASettings:
             self.faulted = repr(exc)
 
 
-def _normalized(values: np.ndarray) -> np.ndarray:
-    span = values.max() - values.min() if len(values) else 0.0
-    return (values - values.min()) / span if span > 0 else np.zeros_like(values)
-
-
 def _window_nodes(node, root, window: int) -> list:
     """`node` and its ancestors covering the `window` tokens before its end."""
     out, covered = [], 0
@@ -187,7 +184,7 @@ def plan_victims(tree_core, ct, full_ct, settings: SWASettings, evictable_leaves
         recency.append(leaf.last_access_time)
         efficiency.append(profile.prefill_flops(anchor_end(leaf), ends[leaf.id]) / max(freed, 1))
     if candidates:
-        scores = _normalized(np.asarray(recency, float)) + settings.alpha * _normalized(np.asarray(efficiency, float))
+        scores = marconi_scores(np.asarray(recency, float), np.asarray(efficiency, float), settings.alpha)
         order = sorted(range(len(candidates)), key=lambda i: (scores[i], candidates[i][1][0].id))
         plan += [candidates[i] for i in order]
     return plan

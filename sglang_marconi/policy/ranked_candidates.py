@@ -7,27 +7,36 @@ first. Each candidate's score is computed with the same floating-point operation
 the choice is the same bit for bit, not merely close.
 
 How: candidates live in the slots of dense arrays, grouped in blocks of `block` slots; each block
-keeps the extremes of both columns over its live slots. The min-max normalization reads the
-global extremes off the block extremes; a block's lower bound is the score of (its oldest
-recency, its lowest efficiency), never above any of its candidates' scores (the score is monotone
-in both columns, and so is its floating-point evaluation). Blocks are scored in the order of their
-bounds until the next bound exceeds the best score found. A candidate whose recency changes moves
-to a fresh slot at the end: recency stamps only grow, so slots stay close to recency order, each
-block spans a narrow range of recency and the bounds stay tight. Dead slots are compacted away
-once they outnumber live ones (amortized O(1) per change).
+keeps the extremes of both columns over its slots, and the min-max normalization (the scale)
+reads the global extremes off them. Under one scale every candidate's score is fixed, so each
+block keeps a front: its FRONT lowest (score, tie id, slot), sorted, with the score below which
+nothing else in the block lies; changes update fronts in O(FRONT), a block rescored (numpy) only
+when its front runs empty. A block without a front holds a lower bound instead: the score of (its
+oldest recency, its lowest efficiency), never above any of its candidates' scores (the score is
+monotone in both columns, and so is its floating-point evaluation). A choice takes the block
+with the lowest value and rescores it while that value is only a bound. When the scale moves
+(the oldest or newest candidate, or the least or most efficient, changed) every block falls back
+to its bound. A candidate whose recency changes moves to a fresh slot at the end: recency stamps
+only grow, so slots stay close to recency order, a block spans a narrow range of recency and the
+bounds stay tight. Dead slots are compacted away once they outnumber live ones; a compaction
+sorts the slots by recency (`compact()` after filling the set in another order).
 
-Cost of a choice: O(slots / block) numpy work on the block extremes, plus scoring the blocks whose
-bound is below the answer (usually one or two). Changes are O(1) amortized.
+Cost of a choice while the scale stands: O(slots / block) numpy work on per-block values;
+otherwise also rescoring the blocks whose bound is below the answer (usually one). Changes: O(1)
+amortized.
 """
 
 from __future__ import annotations
 
+from bisect import insort
 from typing import Any, Iterator
 
 import numpy as np
 
 BLOCK = 256
+FRONT = 8
 _INF = float("inf")
+_T, _E = 0, 1  # rows: recency, efficiency
 
 
 class RankedCandidates:
@@ -40,15 +49,19 @@ class RankedCandidates:
         self._allocate(4 * block)
 
     def _allocate(self, capacity: int) -> None:
-        self._recency = np.full(capacity, _INF)
-        self._efficiency = np.full(capacity, _INF)
+        self._cols = np.full((2, capacity), _INF)  # dead slots hold +inf in both rows
         self._tie = np.zeros(capacity, dtype=np.int64)
         self._alive = np.zeros(capacity, dtype=bool)
         self._keys: list = []  # by slot; None where dead
         blocks = capacity // self._block
-        self._lo_t, self._hi_t = np.full(blocks, _INF), np.full(blocks, -_INF)
-        self._lo_e, self._hi_e = np.full(blocks, _INF), np.full(blocks, -_INF)
-        self._stale_blocks: set[int] = set()  # extremes to recompute (a slot holding one died)
+        self._lo = np.full((2, blocks), _INF)  # per block: lowest recency, lowest efficiency
+        self._hi = np.full((2, blocks), -_INF)  # per block: highest of each
+        self._stale: set[int] = set()  # blocks whose extremes may be too wide (still valid bounds)
+        self._extremes = None  # global (lo_t, lo_e, hi_t, hi_e), exact; None: to recompute
+        self._scale = None  # (lo_t, lo_e, span_t, span_e, alpha) the per-block values hold for
+        self._best = np.full(blocks, _INF)  # per block: its front's first score, else a lower bound
+        self._front: list = [None] * blocks  # per block: [(score, tie, slot), ...] sorted, or None
+        self._floor = [_INF] * blocks  # per block with a front: no other slot scores below this
 
     # -- reading ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -62,7 +75,7 @@ class RankedCandidates:
 
     def entry(self, key) -> tuple[float, float, int]:
         slot = self._slot_of[key]
-        return float(self._recency[slot]), float(self._efficiency[slot]), int(self._tie[slot])
+        return float(self._cols[_T, slot]), float(self._cols[_E, slot]), int(self._tie[slot])
 
     def keys(self) -> Iterator:
         return iter(self._slot_of)
@@ -72,15 +85,12 @@ class RankedCandidates:
         """Add `key` or replace its entry."""
         self._payload[key] = payload
         slot = self._slot_of.get(key)
-        if slot is not None and self._recency[slot] == recency:  # same recency: stays in place
-            old = self._efficiency[slot]
-            self._efficiency[slot] = efficiency
-            self._tie[slot] = tie
-            b = slot // self._block
-            if old in (self._lo_e[b], self._hi_e[b]):
-                self._stale_blocks.add(b)
-            else:
-                self._widen(b, recency, efficiency)
+        if slot is not None and self._cols[_T, slot] == recency:  # same recency: stays in place
+            if self._cols[_E, slot] != efficiency or self._tie[slot] != tie:
+                self._forget_slot(slot)
+                self._cols[_E, slot] = efficiency
+                self._tie[slot] = tie
+                self._admit_slot(slot, recency, efficiency, tie)
             return
         if slot is not None:
             self._kill(slot)
@@ -89,9 +99,9 @@ class RankedCandidates:
     def set_recency(self, key, recency: float) -> None:
         """`key`'s recency only (no-op for an unknown key)."""
         slot = self._slot_of.get(key)
-        if slot is None or self._recency[slot] == recency:
+        if slot is None or self._cols[_T, slot] == recency:
             return
-        efficiency, tie = float(self._efficiency[slot]), int(self._tie[slot])
+        efficiency, tie = float(self._cols[_E, slot]), int(self._tie[slot])
         self._kill(slot)
         self._append(key, recency, efficiency, tie)
 
@@ -107,34 +117,76 @@ class RankedCandidates:
         slot = len(self._keys)
         self._keys.append(key)
         self._slot_of[key] = slot
-        self._recency[slot] = recency
-        self._efficiency[slot] = efficiency
+        self._cols[_T, slot] = recency
+        self._cols[_E, slot] = efficiency
         self._tie[slot] = tie
         self._alive[slot] = True
-        self._widen(slot // self._block, recency, efficiency)
-
-    def _widen(self, b: int, recency: float, efficiency: float) -> None:
-        if recency < self._lo_t[b]:
-            self._lo_t[b] = recency
-        if recency > self._hi_t[b]:
-            self._hi_t[b] = recency
-        if efficiency < self._lo_e[b]:
-            self._lo_e[b] = efficiency
-        if efficiency > self._hi_e[b]:
-            self._hi_e[b] = efficiency
+        self._admit_slot(slot, recency, efficiency, tie)
 
     def _kill(self, slot: int, keep_key: bool = False) -> None:
-        b = slot // self._block
-        t, e = self._recency[slot], self._efficiency[slot]
-        if t in (self._lo_t[b], self._hi_t[b]) or e in (self._lo_e[b], self._hi_e[b]):
-            self._stale_blocks.add(b)
+        self._forget_slot(slot)
         self._alive[slot] = False
-        self._recency[slot] = _INF
-        self._efficiency[slot] = _INF
+        self._cols[_T, slot] = self._cols[_E, slot] = _INF
         key = self._keys[slot]
         self._keys[slot] = None
         if not keep_key and self._slot_of.get(key) == slot:
             del self._slot_of[key]
+
+    def _admit_slot(self, slot: int, recency: float, efficiency: float, tie: int) -> None:
+        """A value entered `slot`: block extremes, global extremes, the block's front or bound."""
+        b = slot // self._block
+        lo, hi, g = self._lo, self._hi, self._extremes
+        if recency < lo[_T, b]:
+            lo[_T, b] = recency
+        if recency > hi[_T, b]:
+            hi[_T, b] = recency
+        if efficiency < lo[_E, b]:
+            lo[_E, b] = efficiency
+        if efficiency > hi[_E, b]:
+            hi[_E, b] = efficiency
+        if g is not None and not (g[0] <= recency <= g[2] and g[1] <= efficiency <= g[3]):
+            self._extremes = None
+        scale = self._scale
+        if scale is None:
+            return
+        score = self._score(recency, efficiency, scale)
+        front = self._front[b]
+        if front is None:
+            if score < self._best[b]:
+                self._best[b] = score  # still a lower bound
+        elif score < self._floor[b]:
+            insort(front, (score, tie, slot))
+            if len(front) > FRONT:
+                floor = self._floor[b] = front.pop()[0]
+                while front and front[-1][0] >= floor:  # the front holds only scores below its floor
+                    front.pop()
+            if front:
+                self._best[b] = front[0][0]
+            else:
+                self._front[b] = None
+                self._best[b] = self._floor[b]
+
+    def _forget_slot(self, slot: int) -> None:
+        """`slot`'s value is leaving: extremes it may have held, the block's front."""
+        b = slot // self._block
+        t, e = self._cols[_T, slot], self._cols[_E, slot]
+        g = self._extremes
+        if g is not None and (t == g[0] or t == g[2] or e == g[1] or e == g[3]):
+            self._extremes = None
+        if t == self._lo[_T, b] or t == self._hi[_T, b] or e == self._lo[_E, b] or e == self._hi[_E, b]:
+            self._stale.add(b)
+        front = self._front[b]
+        if front is None:
+            return
+        for i, entry in enumerate(front):
+            if entry[2] == slot:
+                del front[i]
+                break
+        if front:
+            self._best[b] = front[0][0]
+        else:  # nothing known below the floor: a bound again
+            self._front[b] = None
+            self._best[b] = self._floor[b]
 
     def _make_room(self) -> None:
         live = len(self._slot_of)
@@ -143,67 +195,131 @@ class RankedCandidates:
         else:
             self._compact(2 * len(self._alive))
 
+    def compact(self) -> None:
+        """Drop dead slots and sort the live ones by recency (what keeps the bounds tight)."""
+        self._compact(len(self._alive))
+
     def _compact(self, capacity: int) -> None:
         keep = np.flatnonzero(self._alive[: len(self._keys)])
-        recency, efficiency, tie = self._recency[keep], self._efficiency[keep], self._tie[keep]
+        keep = keep[np.argsort(self._cols[_T, keep], kind="stable")]
+        cols, tie = self._cols[:, keep], self._tie[keep]
         keys = [self._keys[i] for i in keep]
         self._allocate(capacity)
         n = len(keys)
-        self._recency[:n], self._efficiency[:n], self._tie[:n] = recency, efficiency, tie
+        self._cols[:, :n], self._tie[:n] = cols, tie
         self._alive[:n] = True
         self._keys = keys
         self._slot_of = {key: slot for slot, key in enumerate(keys)}
-        self._stale_blocks = set(range((n + self._block - 1) // self._block))
+        self._stale = set(range((n + self._block - 1) // self._block))
 
-    def _refresh_blocks(self) -> None:
-        for b in self._stale_blocks:
+    def _refresh_extremes(self) -> None:
+        for b in self._stale:
             span = slice(b * self._block, (b + 1) * self._block)
-            alive = self._alive[span]
-            if not alive.any():
-                self._lo_t[b] = self._lo_e[b] = _INF
-                self._hi_t[b] = self._hi_e[b] = -_INF
+            cols = self._cols[:, span]
+            lo = cols.min(axis=1)
+            if lo[_T] == _INF:  # no live slot left
+                self._lo[:, b] = _INF
+                self._hi[:, b] = -_INF
                 continue
-            t, e = self._recency[span], self._efficiency[span]  # dead slots hold +inf
-            self._lo_t[b], self._lo_e[b] = t.min(), e.min()
-            self._hi_t[b], self._hi_e[b] = t[alive].max(), e[alive].max()
-        self._stale_blocks.clear()
+            self._lo[:, b] = lo
+            self._hi[:, b] = cols[:, self._alive[span]].max(axis=1)
+        self._stale.clear()
 
     # -- the choice ------------------------------------------------------------------------
     def lowest(self, alpha: float):
         """The key of the candidate with the lowest score (ties: lowest tie id), or None."""
         if not self._slot_of:
             return None
-        self._refresh_blocks()
         used = (len(self._keys) + self._block - 1) // self._block
-        lo_t, hi_t = self._lo_t[:used], self._hi_t[:used]
-        lo_e, hi_e = self._lo_e[:used], self._hi_e[:used]
-        t0, e0 = lo_t.min(), lo_e.min()
-        span_t, span_e = hi_t.max() - t0, hi_e.max() - e0
-        weigh_e = bool(alpha) and span_e > 0
-
-        def scores(t, e):  # marconi_scores' arithmetic, element by element
-            s = (t - t0) / span_t if span_t > 0 else np.zeros(len(t))
-            if weigh_e:
-                s += alpha * ((e - e0) / span_e)
-            return s
-
-        bounds = scores(lo_t, lo_e)
-        bounds[lo_t == _INF] = _INF  # empty blocks
-        best, best_tie, best_slot = _INF, None, None
+        g = self._extremes
+        if g is None:
+            self._refresh_extremes()
+            lo, hi = self._lo[:, :used].min(axis=1).tolist(), self._hi[:, :used].max(axis=1).tolist()
+            g = self._extremes = (lo[_T], lo[_E], hi[_T], hi[_E])
+        lo_t, lo_e = g[0], g[1]
+        span_t, span_e = g[2] - lo_t, g[3] - lo_e
+        if not span_t > 0:
+            return self._lowest_degenerate(alpha, lo_t, lo_e, span_t, span_e)
+        if not span_e > 0:
+            alpha = 0.0  # marconi_scores adds alpha * 0 then: recency alone ranks
+        scale = (lo_t, lo_e, span_t, span_e, alpha)
+        if scale != self._scale:  # every block back to its bound
+            self._scale = scale
+            self._lo2 = np.array([[lo_t], [lo_e]])
+            self._span2 = np.array([[span_t], [span_e if alpha else 1.0]])  # row E unused without alpha
+            self._best[:used] = self._scores(self._lo[:, :used], scale)
+            self._front[:used] = [None] * used
+        values = self._best[:used]
         while True:
-            b = int(bounds.argmin())
-            bound = bounds[b]
-            if bound == _INF or bound > best:
-                break
-            bounds[b] = _INF
-            span = slice(b * self._block, (b + 1) * self._block)
-            s = np.where(self._alive[span], scores(self._recency[span], self._efficiency[span]), _INF)
-            low = s.min()
-            if low > best:
+            b = int(values.argmin())
+            front = self._front[b]
+            if front is None:
+                if values[b] == _INF:
+                    return None
+                self._score_block(b)
                 continue
-            ties = np.flatnonzero(s == low)
-            j = int(ties[self._tie[span][ties].argmin()])
-            tie = int(self._tie[span][j])
-            if low < best or tie < best_tie:
-                best, best_tie, best_slot = low, tie, b * self._block + j
-        return self._keys[best_slot]
+            low = values[b]
+            values[b] = _INF  # is the runner-up as low? (exact ties: the lowest tie id)
+            unique = values.min() > low
+            values[b] = low
+            if unique:
+                return self._keys[front[0][2]]
+            ties = [int(t) for t in np.flatnonzero(values == low)]
+            pending = [t for t in ties if self._front[t] is None]
+            if pending:  # bounds equal to the best: score them, then look again
+                for t in pending:
+                    self._score_block(t)
+                continue
+            b = min(ties, key=lambda t: self._front[t][0][1])
+            return self._keys[self._front[b][0][2]]
+
+    @staticmethod
+    def _score(t: float, e: float, scale) -> float:
+        # marconi_scores' arithmetic on one candidate: (t - lo_t) / span_t + alpha * ((e - lo_e) / span_e)
+        lo_t, lo_e, span_t, span_e, alpha = scale
+        s = (t - lo_t) / span_t
+        if alpha:
+            s += alpha * ((e - lo_e) / span_e)
+        return s
+
+    @staticmethod
+    def _scores(cols, scale):
+        lo_t, lo_e, span_t, span_e, alpha = scale
+        s = (cols[_T] - lo_t) / span_t
+        if alpha:
+            s += alpha * ((cols[_E] - lo_e) / span_e)
+        return s
+
+    def _score_block(self, b: int) -> None:
+        """Score block `b` under the current scale: its front and floor."""
+        start = b * self._block
+        # Both rows normalized at once (each element: the same operations as `_score`).
+        n = (self._cols[:, start:start + self._block] - self._lo2) / self._span2  # dead slots: +inf
+        alpha = self._scale[4]
+        s = n[_T] if not alpha else n[_T] + n[_E] if alpha == 1.0 else n[_T] + alpha * n[_E]
+        k = min(FRONT + 1, len(s))
+        low = np.argpartition(s, k - 1)[:k] if k < len(s) else np.arange(len(s))
+        entries = sorted(zip(s[low].tolist(), self._tie[start + low].tolist(), (start + low).tolist()))
+        floor = entries[-1][0]  # nothing outside `low` scores below it
+        if entries[0][0] == _INF:  # no live slot
+            self._front[b], self._floor[b], self._best[b] = None, _INF, _INF
+            return
+        if len(entries) < k or floor == _INF:  # every live slot is in `low`
+            floor = _INF
+        front = [entry for entry in entries if entry[0] < floor]
+        if not front:  # FRONT + 1 slots or more tie at the lowest score: take all of them
+            at = np.flatnonzero(s == floor)
+            front = sorted(zip([floor] * len(at), self._tie[start + at].tolist(), (start + at).tolist()))
+            above = s[s > floor]
+            floor = float(above.min()) if len(above) else _INF
+        self._front[b], self._floor[b], self._best[b] = front, floor, front[0][0]
+
+    def _lowest_degenerate(self, alpha: float, lo_t: float, lo_e: float, span_t: float, span_e: float):
+        """All candidates have one recency (a column whose values are all equal normalizes to 0,
+        `marconi_scores`): score the live slots directly (in practice: one candidate)."""
+        alive = np.flatnonzero(self._alive[: len(self._keys)])
+        s = np.zeros(len(alive))
+        if alpha and span_e > 0:
+            s += alpha * ((self._cols[_E, alive] - lo_e) / span_e)
+        ties = alive[np.flatnonzero(s == s.min())]
+        return self._keys[int(ties[self._tie[ties].argmin()])]

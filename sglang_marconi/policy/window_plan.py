@@ -283,6 +283,7 @@ class WindowPlan:
                 reuse[node.id] = node
         for node in reuse.values():
             self._evaluate(node)
+        self._ranked.compact()  # filled in tree order: sort by recency once
 
     def detach(self) -> None:
         """Stop keeping the plan (hooks become no-ops) until the next `bind`."""

@@ -45,7 +45,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
-from sglang_marconi.policy.window_plan import LEAF, WindowPlan, reference_plan
+from sglang_marconi.policy.window_plan import LEAF, STALE, WindowPlan, reference_plan
 
 log = logging.getLogger("sglang_marconi")
 DEFAULT_SWA_ALPHA = 1.0  # no online tuning for windows in the server yet: a fixed FLOP weight
@@ -228,8 +228,8 @@ def marconi_swa_component_class():
                 if not settings.faulted:
                     try:
                         victim = self.marconi_plan.next_victim(settings.alpha)
-                        if victim is not None and (victim[0], [n.id for n in victim[1]]) == unusable:
-                            raise RuntimeError(f"SWA plan repeats a victim it cannot evict: {unusable}")
+                        if victim is not None and unusable is not None and victim[1] == unusable:
+                            raise RuntimeError(f"SWA plan repeats a victim it cannot evict: {victim}")
                     except Exception as exc:  # Marconi's own fault: upstream's eviction from now on
                         self._marconi_fault(exc)
                         victim = None
@@ -239,9 +239,12 @@ def marconi_swa_component_class():
                 if kind == LEAF:
                     settings.figures.evictions_leaf += 1
                     return nodes[0].id
-                setattr(settings.figures, f"evictions_{kind}", getattr(settings.figures, f"evictions_{kind}") + 1)
+                if kind == STALE:
+                    settings.figures.evictions_stale += 1
+                else:
+                    settings.figures.evictions_window += 1
                 self._marconi_pending = list(nodes)
-                unusable = (kind, [n.id for n in nodes])
+                unusable = nodes
             # Nothing of ours left: upstream's LRU step from the LRU tail.
             settings.figures.evictions_fallback += 1
             self._marconi_upstream = True
@@ -262,7 +265,8 @@ def marconi_swa_component_class():
             if plan is None:
                 plan = WindowPlan(self.marconi_swa_settings.window, None, self.marconi_swa_settings.profile)
             if not isinstance(tree_core.evictable_device_leaves, LeafSetWatch):
-                tree_core.evictable_device_leaves = LeafSetWatch(tree_core.evictable_device_leaves, self._marconi_leaf)
+                tree_core.evictable_device_leaves = LeafSetWatch(tree_core.evictable_device_leaves,
+                                                                 self._marconi_leaf)
             plan.view = SGLangWindowView(self.component_type, tree_core.evictable_device_leaves, tree_core._node_arena)
             plan.bind(tree_core.root_node)
             self.marconi_plan = plan
@@ -285,17 +289,15 @@ def marconi_swa_component_class():
             if self.marconi_plan is not None:
                 self.marconi_plan.detach()
 
-        def _marconi_record(self, hook: str, *nodes) -> None:
-            plan = self.marconi_plan
-            if plan is None or plan.root is None:
-                return
-            try:
-                getattr(plan, hook)(*nodes)
-            except Exception as exc:
-                self._marconi_fault(exc)
-
+        # Hooks run on every tree mutation: each records into the plan (a dict insert; no-ops
+        # while the plan is unbound), under the fault guard.
         def _marconi_leaf(self, node) -> None:
-            self._marconi_record("touched", node)
+            plan = self.marconi_plan
+            if plan is not None:
+                try:
+                    plan.touched(node)
+                except Exception as exc:
+                    self._marconi_fault(exc)
 
         def _marconi_touch_segment(self, node, lock_uuid, by_window: bool) -> None:
             # The nodes a lock's acquire (by_window: the window's worth) or release (up to the node
@@ -319,21 +321,35 @@ def marconi_swa_component_class():
 
         # -- hooks -----------------------------------------------------------------------------
         def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
-            if is_new_leaf:  # before SGLang may split the new leaf: its parent is the one that grew
-                self._marconi_record("added", node)
+            plan = self.marconi_plan
+            if is_new_leaf and plan is not None:  # before SGLang may split the new leaf: its parent grew
+                try:
+                    plan.added(node)
+                except Exception as exc:
+                    self._marconi_fault(exc)
             super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
 
         def redistribute_on_node_split(self, new_parent, child):
             super().redistribute_on_node_split(new_parent, child)
-            self._marconi_record("split", new_parent, child)
+            plan = self.marconi_plan
+            if plan is not None:
+                try:
+                    plan.split(new_parent, child)
+                except Exception as exc:
+                    self._marconi_fault(exc)
 
         def discard_deleted_session_leaf(self, node) -> None:
             super().discard_deleted_session_leaf(node)
-            self._marconi_record("removed", node)
+            plan = self.marconi_plan
+            if plan is not None:
+                try:
+                    plan.removed(node)
+                except Exception as exc:
+                    self._marconi_fault(exc)
 
         def evict_component(self, node, *args, **kwargs):
             freed = super().evict_component(node, *args, **kwargs)
-            self._marconi_record("touched", node)
+            self._marconi_leaf(node)
             return freed
 
         def apply_component_action(self, action) -> None:
@@ -342,7 +358,7 @@ def marconi_swa_component_class():
             if node_id is not None and self.marconi_plan is not None:
                 node = self.tree_core._node_arena.get(node_id)
                 if node is not None:
-                    self._marconi_record("touched", node)
+                    self._marconi_leaf(node)
 
         def acquire_component_lock(self, node, result, lock_host: bool = False):
             result = super().acquire_component_lock(node, result, lock_host)
@@ -361,12 +377,21 @@ def marconi_swa_component_class():
 
         def refresh_lru(self, phase, node, root_node) -> None:
             super().refresh_lru(phase, node, root_node)
-            if phase == LRURefreshPhase.WALKDOWN:
-                self._marconi_record("stamped", node)
+            plan = self.marconi_plan
+            if plan is not None and phase == LRURefreshPhase.WALKDOWN:
+                try:
+                    plan.stamped(node)
+                except Exception as exc:
+                    self._marconi_fault(exc)
 
         def finalize_match_result_in_tree_core(self, result, *args, **kwargs):
             result = super().finalize_match_result_in_tree_core(result, *args, **kwargs)
-            self._marconi_record("path_stamped", result.best_match_node)
+            plan = self.marconi_plan
+            if plan is not None:
+                try:
+                    plan.path_stamped(result.best_match_node)
+                except Exception as exc:
+                    self._marconi_fault(exc)
             return result
 
     MarconiSWAComponent.__qualname__ = MarconiSWAComponent.__name__

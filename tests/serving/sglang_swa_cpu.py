@@ -64,15 +64,19 @@ class SWACpuCache:
         """Marconi's incremental plan (None before the first eviction, or upstream's cache)."""
         return getattr(self.component, "marconi_plan", None)
 
-    def insert(self, tokens, evicted: int = 0):
+    def insert(self, tokens, evicted: int = 0, cached: int = 0):
         """Insert a request's KV for `tokens`, whose SWA KV before position `evicted` was already
-        freed. Returns SGLang's InsertResult, or None if the pools are full."""
-        value = self.allocator.alloc(len(tokens))
-        if value is None:
+        freed; with `cached`, the first `cached` tokens are the tree's own (a matched prefix, as
+        the scheduler passes it: `prev_prefix_len`, no new slots), and must be in the tree.
+        Returns SGLang's InsertResult, or None if the pools are full."""
+        new = self.allocator.alloc(len(tokens) - cached)
+        if new is None:
             return None
-        if evicted:
-            self.allocator.free_swa(value[:evicted])
-        params = InsertParams(key=RadixKey(array("q", tokens)), value=value)
+        evicted = max(evicted, cached)
+        if evicted > cached:
+            self.allocator.free_swa(new[: evicted - cached])
+        value = torch.cat([torch.zeros(cached, dtype=new.dtype), new]) if cached else new
+        params = InsertParams(key=RadixKey(array("q", tokens)), value=value, prev_prefix_len=cached)
         if evicted:
             params.set_evicted_seqlen(SWA, evicted)
         return self.cache.insert(params)
@@ -146,3 +150,83 @@ def build_swa_cache(*, kv_size: int = 4096, swa_size: int = 1024, window: int = 
         cache.marconi_swa_window = window
         cache.marconi_swa_component = cache.tree_core.components_by_type[SWA]
     return SWACpuCache(cache, allocator, kv_size, swa_size, settings)
+
+
+def session_requests(window: int, seed: int = 0, prompts: int = 8, live_sessions: int = 64):
+    """Multi-turn chat sessions over shared system prompts, as (tokens, evicted, cached) inserts
+    without end: each request extends one of `live_sessions` sessions by a user turn and a reply
+    (1 in 10 forks off the session's previous prompt instead: a regenerated reply), a new session
+    replaces an old one 1 time in 10; each keeps the SWA KV of its last window only, so a session's
+    earlier windows go stale as it grows. Token ids are unique per position written: prefixes are
+    shared only where the sessions share them."""
+    import random
+
+    rng = random.Random(seed)
+    counter = iter(range(1, 1 << 62))
+
+    def fresh(n):
+        return [next(counter) for _ in range(n)]
+
+    systems = [fresh(3 * window) for _ in range(prompts)]
+    sessions: list[tuple[list, int]] = []  # (tokens so far, where its last prompt ended)
+    inserted: set[int] = set()  # system prompts already in the tree
+    while True:
+        if len(sessions) < live_sessions or rng.random() < 0.1:
+            k = rng.randrange(prompts)
+            prompt, cached = systems[k] + fresh(rng.randrange(8, 64)), len(systems[k]) if k in inserted else 0
+            inserted.add(k)
+            if len(sessions) >= live_sessions:
+                sessions.pop(rng.randrange(len(sessions)))
+        else:
+            history, prompt_end = sessions.pop(rng.randrange(len(sessions)))
+            if rng.random() < 0.1:
+                history = history[:prompt_end]
+            prompt, cached = history + fresh(rng.randrange(8, 64)), len(history)
+        tokens = prompt + fresh(rng.randrange(4, 16))  # the reply
+        sessions.append((tokens, len(prompt)))
+        yield tokens, len(tokens) - window, cached
+
+
+def branch_requests(window: int, seed: int = 0, prompts: int = 64):
+    """Single-turn requests over shared prompts, as (tokens, evicted, cached) inserts without end:
+    a prompt's first request keeps the SWA KV of its last window only; its second keeps the window
+    before the prompt's end too (SGLang's branch insertion: the full KV matched past the SWA-valid
+    prefix), so every branch point holds a live window; no SWA KV goes stale."""
+    import random
+
+    rng = random.Random(seed)
+    counter = iter(range(1, 1 << 62))
+
+    def fresh(n):
+        return [next(counter) for _ in range(n)]
+
+    systems = [fresh(3 * window) for _ in range(prompts)]
+    users = [0] * prompts
+    while True:
+        k = rng.randrange(prompts)
+        system = systems[k]
+        if users[k] == 1:
+            yield system, len(system) - window, len(system) - window
+        tokens = system + fresh(rng.randrange(8, 64)) + fresh(rng.randrange(4, 16))
+        yield tokens, len(tokens) - window, len(system) if users[k] else 0
+        users[k] += 1
+
+
+def grow_tree(cc: SWACpuCache, target_nodes: int, requests) -> int:
+    """Insert `requests` ((tokens, evicted, cached) triples) until the tree has `target_nodes`
+    nodes; returns the inserts made. The pools must be large enough for no eviction (frees are
+    batched: SGLang's CPU allocator copies its whole free list per free)."""
+    arena, n = cc.tree_core._node_arena, 0
+    cc.allocator.free_group_begin()
+    try:
+        for n, (tokens, evicted, cached) in enumerate(requests, 1):
+            if cc.insert(tokens, evicted=evicted, cached=cached) is None:
+                raise MemoryError(f"pools full after {n} inserts, {len(arena) - 1} nodes")
+            if n % 512 == 0:
+                cc.allocator.free_group_end()
+                cc.allocator.free_group_begin()
+            if len(arena) - 1 >= target_nodes:
+                return n
+    finally:
+        cc.allocator.free_group_end()
+    return n

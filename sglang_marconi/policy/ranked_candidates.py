@@ -44,19 +44,19 @@ class RankedCandidates:
 
     def __init__(self, block: int = BLOCK):
         self._block = block
-        self._slot_of: dict[Any, int] = {}
-        self._payload: dict[Any, Any] = {}
+        self._entries: dict[Any, tuple] = {}  # key -> (slot, recency, efficiency, tie, payload)
         self._allocate(4 * block)
 
     def _allocate(self, capacity: int) -> None:
         self._cols = np.full((2, capacity), _INF)  # dead slots hold +inf in both rows
         self._tie = np.zeros(capacity, dtype=np.int64)
-        self._alive = np.zeros(capacity, dtype=bool)
         self._keys: list = []  # by slot; None where dead
         blocks = capacity // self._block
-        self._lo = np.full((2, blocks), _INF)  # per block: lowest recency, lowest efficiency
-        self._hi = np.full((2, blocks), -_INF)  # per block: highest of each
-        self._stale: set[int] = set()  # blocks whose extremes may be too wide (still valid bounds)
+        # Per block, over its live slots (kept as Python floats: read one at a time): lowest and
+        # highest recency and efficiency. Only ever too wide between refreshes (still bounds).
+        self._lo_t, self._lo_e = [_INF] * blocks, [_INF] * blocks
+        self._hi_t, self._hi_e = [-_INF] * blocks, [-_INF] * blocks
+        self._stale: set[int] = set()  # blocks whose extremes may be too wide
         self._extremes = None  # global (lo_t, lo_e, hi_t, hi_e), exact; None: to recompute
         self._scale = None  # (lo_t, lo_e, span_t, span_e, alpha) the per-block values hold for
         self._best = np.full(blocks, _INF)  # per block: its front's first score, else a lower bound
@@ -65,85 +65,84 @@ class RankedCandidates:
 
     # -- reading ---------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._slot_of)
+        return len(self._entries)
 
     def __contains__(self, key) -> bool:
-        return key in self._slot_of
+        return key in self._entries
 
     def payload(self, key) -> Any:
-        return self._payload[key]
+        return self._entries[key][4]
 
     def entry(self, key) -> tuple[float, float, int]:
-        slot = self._slot_of[key]
-        return float(self._cols[_T, slot]), float(self._cols[_E, slot]), int(self._tie[slot])
+        _, t, e, tie, _ = self._entries[key]
+        return t, e, tie
 
     def keys(self) -> Iterator:
-        return iter(self._slot_of)
+        return iter(self._entries)
 
     # -- changes ---------------------------------------------------------------------------
     def put(self, key, recency: float, efficiency: float, tie: int, payload: Any = None) -> None:
         """Add `key` or replace its entry."""
-        self._payload[key] = payload
-        slot = self._slot_of.get(key)
-        if slot is not None and self._cols[_T, slot] == recency:  # same recency: stays in place
-            if self._cols[_E, slot] != efficiency or self._tie[slot] != tie:
-                self._forget_slot(slot)
-                self._cols[_E, slot] = efficiency
-                self._tie[slot] = tie
-                self._admit_slot(slot, recency, efficiency, tie)
-            return
-        if slot is not None:
-            self._kill(slot)
-        self._append(key, recency, efficiency, tie)
+        recency, efficiency, tie = float(recency), float(efficiency), int(tie)
+        old = self._entries.get(key)
+        if old is None:
+            self._append(key, recency, efficiency, tie, payload)
+        elif old[1] != recency:
+            self.remove(key)
+            self._append(key, recency, efficiency, tie, payload)
+        elif old[2] != efficiency or old[3] != tie:  # same recency: stays in place
+            slot = old[0]
+            self._forget_slot(slot, recency, old[2])
+            self._cols[_E, slot] = efficiency
+            self._tie[slot] = tie
+            self._entries[key] = (slot, recency, efficiency, tie, payload)
+            self._admit_slot(slot, recency, efficiency, tie)
+        elif old[4] is not payload:
+            self._entries[key] = old[:4] + (payload,)
 
     def set_recency(self, key, recency: float) -> None:
         """`key`'s recency only (no-op for an unknown key)."""
-        slot = self._slot_of.get(key)
-        if slot is None or self._cols[_T, slot] == recency:
-            return
-        efficiency, tie = float(self._cols[_E, slot]), int(self._tie[slot])
-        self._kill(slot)
-        self._append(key, recency, efficiency, tie)
+        old = self._entries.get(key)
+        if old is not None and old[1] != recency:
+            self.remove(key)
+            self._append(key, float(recency), old[2], old[3], old[4])
 
     def remove(self, key) -> None:
-        slot = self._slot_of.pop(key, None)
-        if slot is not None:
-            del self._payload[key]
-            self._kill(slot, keep_key=True)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._kill(old)
 
-    def _append(self, key, recency: float, efficiency: float, tie: int) -> None:
-        if len(self._keys) == len(self._alive):
+    def _append(self, key, recency: float, efficiency: float, tie: int, payload) -> None:
+        if len(self._keys) == self._cols.shape[1]:
             self._make_room()
         slot = len(self._keys)
         self._keys.append(key)
-        self._slot_of[key] = slot
+        self._entries[key] = (slot, recency, efficiency, tie, payload)
         self._cols[_T, slot] = recency
         self._cols[_E, slot] = efficiency
         self._tie[slot] = tie
-        self._alive[slot] = True
         self._admit_slot(slot, recency, efficiency, tie)
 
-    def _kill(self, slot: int, keep_key: bool = False) -> None:
-        self._forget_slot(slot)
-        self._alive[slot] = False
-        self._cols[_T, slot] = self._cols[_E, slot] = _INF
-        key = self._keys[slot]
+    def _kill(self, entry) -> None:
+        slot = entry[0]
+        self._forget_slot(slot, entry[1], entry[2])
+        cols = self._cols
+        cols[_T, slot] = _INF
+        cols[_E, slot] = _INF
         self._keys[slot] = None
-        if not keep_key and self._slot_of.get(key) == slot:
-            del self._slot_of[key]
 
     def _admit_slot(self, slot: int, recency: float, efficiency: float, tie: int) -> None:
         """A value entered `slot`: block extremes, global extremes, the block's front or bound."""
         b = slot // self._block
-        lo, hi, g = self._lo, self._hi, self._extremes
-        if recency < lo[_T, b]:
-            lo[_T, b] = recency
-        if recency > hi[_T, b]:
-            hi[_T, b] = recency
-        if efficiency < lo[_E, b]:
-            lo[_E, b] = efficiency
-        if efficiency > hi[_E, b]:
-            hi[_E, b] = efficiency
+        if recency < self._lo_t[b]:
+            self._lo_t[b] = recency
+        if recency > self._hi_t[b]:
+            self._hi_t[b] = recency
+        if efficiency < self._lo_e[b]:
+            self._lo_e[b] = efficiency
+        if efficiency > self._hi_e[b]:
+            self._hi_e[b] = efficiency
+        g = self._extremes
         if g is not None and not (g[0] <= recency <= g[2] and g[1] <= efficiency <= g[3]):
             self._extremes = None
         scale = self._scale
@@ -166,80 +165,78 @@ class RankedCandidates:
                 self._front[b] = None
                 self._best[b] = self._floor[b]
 
-    def _forget_slot(self, slot: int) -> None:
+    def _forget_slot(self, slot: int, recency: float, efficiency: float) -> None:
         """`slot`'s value is leaving: extremes it may have held, the block's front."""
         b = slot // self._block
-        t, e = self._cols[_T, slot], self._cols[_E, slot]
         g = self._extremes
-        if g is not None and (t == g[0] or t == g[2] or e == g[1] or e == g[3]):
+        if g is not None and (recency == g[0] or recency == g[2] or efficiency == g[1] or efficiency == g[3]):
             self._extremes = None
-        if t == self._lo[_T, b] or t == self._hi[_T, b] or e == self._lo[_E, b] or e == self._hi[_E, b]:
-            self._stale.add(b)
+        self._stale.add(b)
         front = self._front[b]
         if front is None:
             return
         for i, entry in enumerate(front):
             if entry[2] == slot:
                 del front[i]
-                break
-        if front:
-            self._best[b] = front[0][0]
-        else:  # nothing known below the floor: a bound again
-            self._front[b] = None
-            self._best[b] = self._floor[b]
+                if i == 0:
+                    if front:
+                        self._best[b] = front[0][0]
+                    else:  # nothing known below the floor: a bound again
+                        self._front[b] = None
+                        self._best[b] = self._floor[b]
+                return
 
     def _make_room(self) -> None:
-        live = len(self._slot_of)
-        if 2 * live <= len(self._keys):  # mostly dead: compact in place
-            self._compact(len(self._alive))
+        if 2 * len(self._entries) <= len(self._keys):  # mostly dead: compact in place
+            self._compact(self._cols.shape[1])
         else:
-            self._compact(2 * len(self._alive))
+            self._compact(2 * self._cols.shape[1])
 
     def compact(self) -> None:
         """Drop dead slots and sort the live ones by recency (what keeps the bounds tight)."""
-        self._compact(len(self._alive))
+        self._compact(self._cols.shape[1])
 
     def _compact(self, capacity: int) -> None:
-        keep = np.flatnonzero(self._alive[: len(self._keys)])
-        keep = keep[np.argsort(self._cols[_T, keep], kind="stable")]
-        cols, tie = self._cols[:, keep], self._tie[keep]
-        keys = [self._keys[i] for i in keep]
+        live = sorted(self._entries.items(), key=lambda item: (item[1][1], item[1][0]))
         self._allocate(capacity)
-        n = len(keys)
-        self._cols[:, :n], self._tie[:n] = cols, tie
-        self._alive[:n] = True
-        self._keys = keys
-        self._slot_of = {key: slot for slot, key in enumerate(keys)}
+        for slot, (key, (_, t, e, tie, payload)) in enumerate(live):
+            self._keys.append(key)
+            self._entries[key] = (slot, t, e, tie, payload)
+        n = len(live)
+        if n:
+            self._cols[_T, :n] = [v[1] for _, v in live]
+            self._cols[_E, :n] = [v[2] for _, v in live]
+            self._tie[:n] = [v[3] for _, v in live]
         self._stale = set(range((n + self._block - 1) // self._block))
 
     def _refresh_extremes(self) -> None:
         for b in self._stale:
-            span = slice(b * self._block, (b + 1) * self._block)
-            cols = self._cols[:, span]
-            lo = cols.min(axis=1)
+            start = b * self._block
+            cols = self._cols[:, start:start + self._block]
+            lo = cols.min(axis=1).tolist()
             if lo[_T] == _INF:  # no live slot left
-                self._lo[:, b] = _INF
-                self._hi[:, b] = -_INF
+                self._lo_t[b] = self._lo_e[b] = _INF
+                self._hi_t[b] = self._hi_e[b] = -_INF
                 continue
-            self._lo[:, b] = lo
-            self._hi[:, b] = cols[:, self._alive[span]].max(axis=1)
+            hi = np.where(cols < _INF, cols, -_INF).max(axis=1).tolist()
+            self._lo_t[b], self._lo_e[b], self._hi_t[b], self._hi_e[b] = lo[_T], lo[_E], hi[_T], hi[_E]
         self._stale.clear()
 
     # -- the choice ------------------------------------------------------------------------
     def lowest(self, alpha: float):
         """The key of the candidate with the lowest score (ties: lowest tie id), or None."""
-        if not self._slot_of:
+        if not self._entries:
             return None
         used = (len(self._keys) + self._block - 1) // self._block
         g = self._extremes
         if g is None:
             self._refresh_extremes()
-            lo, hi = self._lo[:, :used].min(axis=1).tolist(), self._hi[:, :used].max(axis=1).tolist()
-            g = self._extremes = (lo[_T], lo[_E], hi[_T], hi[_E])
+            g = self._extremes = (min(self._lo_t[:used]), min(self._lo_e[:used]),
+                                  max(self._hi_t[:used]), max(self._hi_e[:used]))
         lo_t, lo_e = g[0], g[1]
         span_t, span_e = g[2] - lo_t, g[3] - lo_e
         if not span_t > 0:
-            return self._lowest_degenerate(alpha, lo_t, lo_e, span_t, span_e)
+            return self._lowest_degenerate(alpha, lo_e, span_e)
         if not span_e > 0:
             alpha = 0.0  # marconi_scores adds alpha * 0 then: recency alone ranks
         scale = (lo_t, lo_e, span_t, span_e, alpha)
@@ -247,7 +244,7 @@ class RankedCandidates:
             self._scale = scale
             self._lo2 = np.array([[lo_t], [lo_e]])
             self._span2 = np.array([[span_t], [span_e if alpha else 1.0]])  # row E unused without alpha
-            self._best[:used] = self._scores(self._lo[:, :used], scale)
+            self._best[:used] = self._scores(np.array([self._lo_t[:used], self._lo_e[:used]]), scale)
             self._front[:used] = [None] * used
         values = self._best[:used]
         while True:
@@ -314,12 +311,12 @@ class RankedCandidates:
             floor = float(above.min()) if len(above) else _INF
         self._front[b], self._floor[b], self._best[b] = front, floor, front[0][0]
 
-    def _lowest_degenerate(self, alpha: float, lo_t: float, lo_e: float, span_t: float, span_e: float):
+    def _lowest_degenerate(self, alpha: float, lo_e: float, span_e: float):
         """All candidates have one recency (a column whose values are all equal normalizes to 0,
-        `marconi_scores`): score the live slots directly (in practice: one candidate)."""
-        alive = np.flatnonzero(self._alive[: len(self._keys)])
-        s = np.zeros(len(alive))
+        `marconi_scores`): rank them directly (in practice: one candidate)."""
+        items = self._entries.values()
         if alpha and span_e > 0:
-            s += alpha * ((self._cols[_E, alive] - lo_e) / span_e)
-        ties = alive[np.flatnonzero(s == s.min())]
-        return self._keys[int(ties[self._tie[ties].argmin()])]
+            best = min(items, key=lambda v: (alpha * ((v[2] - lo_e) / span_e), v[3]))
+        else:
+            best = min(items, key=lambda v: v[3])
+        return self._keys[best[0]]

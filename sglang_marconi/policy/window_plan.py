@@ -253,9 +253,8 @@ class WindowPlan:
         if self.root is not None:
             self._paths[node.id] = node
 
-    def pending(self) -> int:
-        return (len(self._struct) + len(self._local) + len(self._recency) + len(self._paths)
-                + len(self._removed))
+    def pending(self) -> bool:
+        return bool(self._struct or self._local or self._recency or self._paths or self._removed)
 
     # -- binding ------------------------------------------------------------------------------
     def bind(self, root) -> None:
@@ -318,6 +317,8 @@ class WindowPlan:
         for node in recency.values():
             if node.id not in reuse and node.id in self._ranked and alive(node):
                 self._ranked.set_recency(node.id, self.view.recency(node))
+        if not paths:
+            return
         seen: set[int] = set()
         for node in paths.values():
             while node is not None and node.id not in seen and alive(node):
@@ -349,6 +350,8 @@ class WindowPlan:
             else:
                 self._gaps.pop(v.id, None)
         self._note(v, reuse, singles)
+        if old == new and new != _SINGLE:
+            return  # v still ends the chain above it: nothing there moved
         # Above v: nodes within a window of v's end may change chain bottom (stale or not), and
         # the first branch point there may see one child's chain length change. They all share
         # the bottom of v's chain: one walk down, then d(a) = below + covered.

@@ -17,8 +17,8 @@ Eviction under SWA pressure (`MarconiSWAComponent`): the rule of `policy/window_
 SWA KV first, oldest first; a leaf's last window is never tombstoned: the leaf goes whole; branch
 windows and leaves ranked by recency + alpha x FLOPs saved per byte freed), kept incrementally by
 a `WindowPlan` per cache. This module only translates SGLang's nodes and hooks into it:
-- the plan is bound (one walk over the tree) at the first eviction, and again if the tree is
-  reset; before that the hooks record nothing;
+- the plan is bound when the cache is built (an empty tree), and again after a reset (at the
+  next release or eviction: one walk over what the tree then holds);
 - hooks, each O(1) (the lock hooks walk the lock's own segment, as SGLang does): a new leaf
   (`commit_insert_component_data`), a split (`redistribute_on_node_split`), a deletion
   (`discard_deleted_session_leaf`), SWA KV freed or set (`evict_component`,
@@ -271,8 +271,19 @@ def marconi_swa_component_class():
             plan.bind(tree_core.root_node)
             self.marconi_plan = plan
 
+        def marconi_start(self) -> None:
+            """Bind the plan now, to the (empty) tree: from then on each change costs its share,
+            never a whole-tree evaluation at the first eviction."""
+            if self.marconi_swa_settings.faulted:
+                return
+            try:
+                self._marconi_bind()
+            except Exception as exc:
+                self._marconi_fault(exc)
+
         def marconi_upkeep(self) -> None:
-            """Flush what changed since the last step (a safe point: the tree is consistent)."""
+            """Flush what changed since the last step (a safe point: the tree is consistent), or
+            rebind after a reset (the tree is new, and small)."""
             plan = self.marconi_plan
             if plan is None or plan.root is None or self.marconi_swa_settings.faulted:
                 return
@@ -452,6 +463,7 @@ def marconi_swa_radix_cache_factory(ctx, config, fallback):
     cache = create_unified_radix_cache(ctx, cache_class=marconi_swa_cache_class())
     cache.marconi_swa_window = window
     cache.marconi_swa_component = cache.tree_core.components_by_type[ComponentType.SWA]
+    cache.marconi_swa_component.marconi_start()
     runtime = SWARuntime(settings)
     runtime.figures = figures
     cache.marconi_runtime = runtime

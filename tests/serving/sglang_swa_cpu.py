@@ -68,7 +68,8 @@ class SWACpuCache:
         """Insert a request's KV for `tokens`, whose SWA KV before position `evicted` was already
         freed; with `cached`, the first `cached` tokens are the tree's own (a matched prefix, as
         the scheduler passes it: `prev_prefix_len`, no new slots), and must be in the tree.
-        Returns SGLang's InsertResult, or None if the pools are full."""
+        Returns SGLang's InsertResult, or None if the pools are full. Marconi's cache then brings
+        its plan up to date, as it does when a request is released (`marconi_upkeep`)."""
         new = self.allocator.alloc(len(tokens) - cached)
         if new is None:
             return None
@@ -79,7 +80,11 @@ class SWACpuCache:
         params = InsertParams(key=RadixKey(array("q", tokens)), value=value, prev_prefix_len=cached)
         if evicted:
             params.set_evicted_seqlen(SWA, evicted)
-        return self.cache.insert(params)
+        result = self.cache.insert(params)
+        component = getattr(self.cache, "marconi_swa_component", None)
+        if component is not None:
+            component.marconi_upkeep()
+        return result
 
     def match(self, tokens):
         return self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
@@ -146,9 +151,10 @@ def build_swa_cache(*, kv_size: int = 4096, swa_size: int = 1024, window: int = 
                              disable=False, sliding_window_size=window, tree_components=(FULL, SWA),
                              eviction_policy="lru", component_registry_override=override)
     cache = cache_class(params)
-    if marconi:
+    if marconi:  # what the factory does after building the cache
         cache.marconi_swa_window = window
         cache.marconi_swa_component = cache.tree_core.components_by_type[SWA]
+        cache.marconi_swa_component.marconi_start()
     return SWACpuCache(cache, allocator, kv_size, swa_size, settings)
 
 

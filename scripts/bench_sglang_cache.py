@@ -3,8 +3,14 @@
 our admission) replaying the same traces at several pool sizes. Prints markdown tables (docs/benchmarks.md has a run).
 
     python scripts/bench_sglang_cache.py [--quick] [--traces agent,chat,mooncake,mooncake-blocks] [--json out.json]
+    python scripts/bench_sglang_cache.py --tree-nodes 1500,6000,24000,96000 [--swa-steps 300]
 
 Full run ~9 minutes on a 2-core AMD EPYC, `--quick` ~40 s.
+
+`--tree-nodes` runs another benchmark instead: one SWA eviction step's cost against the tree's
+size, on SGLang's real SWA cache (FULL + SWA components, `tests/serving/sglang_swa_cpu.py`),
+upstream's SWA component beside Marconi's on the same trees (`swa_step_cell`); ~5 minutes for
+the four sizes above.
 
 Each request goes through the scheduler's calls on SGLang 0.5.23's own objects (the cache built by
 `tests/serving/sglang_cpu.py`: a tiny Mamba2 hybrid, no_buffer mode, page size 1, Mamba checkpoint
@@ -698,6 +704,9 @@ def swa_step_table(cells: list, window: int, steps: int) -> str:
 
 
 def swa_step_bench(trees, sizes, steps: int, window: int, seed: int, bar=None) -> str:
+    for tree in trees:  # first calls pay one-off costs (imports, torch kernels): outside the table
+        for config in SWA_CONFIGS:
+            swa_step_cell(config, tree, 300, 20, window, seed)
     cells = []
     for tree in trees:
         for nodes in sizes:

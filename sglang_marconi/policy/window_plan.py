@@ -245,7 +245,9 @@ class WindowPlan:
 
     def stamped(self, node) -> None:
         """`node`'s recency changed."""
-        if self.root is not None:
+        # Only a candidate's entry holds a recency (stale nodes are re-keyed lazily; a node that
+        # becomes a candidate later is evaluated then, with its recency as of then).
+        if self.root is not None and node.id in self._ranked:
             self._recency[node.id] = node
 
     def path_stamped(self, node) -> None:

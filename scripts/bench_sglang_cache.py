@@ -613,6 +613,7 @@ class SWAStepCell:
     requests: int = 0
     insert_us: float = 0.0  # thread CPU µs per insert while growing the tree (Marconi: with its upkeep)
     first_ms: float = 0.0  # the first eviction
+    whole_tree_ms: float = math.nan  # Marconi: the from-scratch plan on this tree (what each step cost before)
     step_ns: list = field(default_factory=list)
     kinds: list = field(default_factory=list)  # Marconi: the victim kind of each step
     visited: list = field(default_factory=list)  # Marconi: tree nodes the plan read per step
@@ -671,6 +672,13 @@ def swa_step_cell(config: str, tree: str, nodes: int, steps: int, window: int, s
             cell.kinds.append(next((k.removeprefix("evictions_") for k, v in vars(figures).items()
                                     if k.startswith("evictions_") and v != before[k]), "none"))
             cell.visited.append(cc.plan.visited - visited)
+    if config == "marconi":  # the reference every step used to rebuild
+        from sglang_marconi.serving.swa_component import plan_victims
+
+        t0 = time.thread_time_ns()
+        plan_victims(cc.tree_core, sglang_swa_cpu.SWA, sglang_swa_cpu.FULL, cc.settings,
+                     cc.tree_core.evictable_device_leaves)
+        cell.whole_tree_ms = (time.thread_time_ns() - t0) / 1e6
     for allocator, slots in held:
         allocator.free(slots)
     cc.check_no_leak()
@@ -686,8 +694,9 @@ def swa_step_table(cells: list, window: int, steps: int) -> str:
         "",
         "| tree | nodes | inserts | upstream µs / step (p99) | marconi µs / step (p99) | marconi vs upstream "
         "| marconi by victim: stale / window / leaf / fallback µs (steps) | plan nodes read / step: median (max) "
-        "| first eviction ms: upstream / marconi | insert µs (incl. pool ops): upstream / marconi |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| first eviction ms: upstream / marconi | insert µs (incl. pool ops): upstream / marconi "
+        "| whole-tree plan ms (each step, before) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by = {}
     for c in cells:
@@ -699,7 +708,8 @@ def swa_step_table(cells: list, window: int, steps: int) -> str:
         seen = np.asarray(ours.visited) if ours.visited else np.zeros(1)
         lines.append(f"| {tree} | {nodes:,} | {ours.requests:,} | {us(up.stat())} | {us(ours.stat())} "
                      f"| {ratio(ours.stat()[0], up.stat()[0])} | {kinds} | {np.median(seen):.0f} ({seen.max():.0f}) "
-                     f"| {up.first_ms:.1f} / {ours.first_ms:.1f} | {up.insert_us:.0f} / {ours.insert_us:.0f} |")
+                     f"| {up.first_ms:.1f} / {ours.first_ms:.1f} | {up.insert_us:.0f} / {ours.insert_us:.0f} "
+                     f"| {ours.whole_tree_ms:.0f} |")
     return "\n".join(lines)
 
 

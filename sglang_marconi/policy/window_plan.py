@@ -44,6 +44,12 @@ one chain's length, never by the size of the tree. Per-branch gaps are kept as l
 the children's chain lengths (capped at `window`), so a branch point with many children costs
 O(log children) per change.
 
+Cost of one eviction step: the flush of what changed since the last one (the previous victim,
+and whatever requests did in between), each change read in a window's worth of nodes (plus one
+chain's length where a node became or stopped being a branch point, or for the FLOPs' anchor),
+then a heap pop (stale SWA KV) or a `RankedCandidates` choice (numpy over per-block values, and
+one block rescored when its front runs out). No step reads the whole tree; `bind` does, once.
+
 Assumption (SGLang's): a node's recency only grows, so heap keys read earlier are lower bounds.
 `visited` counts the nodes the plan has read (hooks excluded): the cost measure tests hold bounded.
 """
@@ -556,12 +562,15 @@ class WindowPlan:
             kind, nodes = self._ranked.payload(key)
             t, e, tie = self._ranked.entry(key)
             actual[key] = (kind, [n.id for n in nodes], t, e, tie)
+        differing = [(k, actual[k], expected[k]) for k in sorted(actual.keys() & expected.keys())
+                     if actual[k] != expected[k]]
         assert actual == expected, (
             f"candidates: missing {sorted(expected.keys() - actual.keys())}, "
-            f"extra {sorted(actual.keys() - expected.keys())}, differing "
-            f"{[(k, actual[k], expected[k]) for k in sorted(actual.keys() & expected.keys()) if actual[k] != expected[k]]}")
+            f"extra {sorted(actual.keys() - expected.keys())}, differing {differing}")
         plan = reference_plan(self.root, self.window, self.view, self.profile, alpha)
-        mine = self.next_victim(alpha)
-        first = plan[0] if plan else None
-        assert (mine and (mine[0], [n.id for n in mine[1]])) == (first and (first[0], [n.id for n in first[1]])), (
-            f"next victim {mine} != reference {first}")
+
+        def ids(step):
+            return step and (step[0], [n.id for n in step[1]])
+
+        mine, first = self.next_victim(alpha), plan[0] if plan else None
+        assert ids(mine) == ids(first), f"next victim {ids(mine)} != reference {ids(first)}"

@@ -185,7 +185,7 @@ def marconi_swa_component_class():
 
     class MarconiSWAComponent(SWAComponent):
         marconi_swa_settings: SWASettings = None  # set on the subclass the factory builds
-        marconi_plan: WindowPlan | None = None  # built at the first eviction
+        marconi_plan: WindowPlan | None = None  # bound by `marconi_start` (the factory), or at the first eviction
 
         # -- the walk ----------------------------------------------------------------------
         def _evict_device_start(self, request_cnt: int) -> None:
@@ -193,6 +193,8 @@ def marconi_swa_component_class():
             self._marconi_upstream = bool(self.tree_core.enable_session_radix_cache or self.tree_core.enable_hicache)
             if self._marconi_upstream or self.marconi_swa_settings.faulted:
                 self._marconi_upstream = True
+                if self.marconi_plan is not None:  # host tiers and sessions are not modelled: stop keeping it
+                    self.marconi_plan.detach()
                 return super()._evict_device_start(request_cnt)
             self._evict_device_request_cnt = request_cnt
             self._evict_device_cursor = None

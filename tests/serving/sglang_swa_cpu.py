@@ -220,8 +220,9 @@ def branch_requests(window: int, seed: int = 0, prompts: int = 64):
 
 def grow_tree(cc: SWACpuCache, target_nodes: int, requests) -> int:
     """Insert `requests` ((tokens, evicted, cached) triples) until the tree has `target_nodes`
-    nodes; returns the inserts made. The pools must be large enough for no eviction (frees are
-    batched: SGLang's CPU allocator copies its whole free list per free)."""
+    nodes; returns the inserts made. The pools must be large enough for no eviction, and for 512
+    inserts' new tokens on top (frees are batched per 512 inserts: SGLang's CPU allocator copies
+    its whole free list per free)."""
     arena, n = cc.tree_core._node_arena, 0
     cc.allocator.free_group_begin()
     try:

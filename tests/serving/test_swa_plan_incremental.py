@@ -134,3 +134,22 @@ def test_a_shared_prompt_survives_a_flood_under_marconi_and_not_under_upstream(f
     shared = 6 * 32
     assert _shared_prompt_after_flood(marconi=True, flood=flood) == (shared, shared)
     assert _shared_prompt_after_flood(marconi=False, flood=flood) == (shared, 0)
+
+
+def test_a_fault_in_the_plan_costs_one_warning_and_hands_eviction_to_upstream(caplog):
+    import sglang_swa_cpu
+
+    cc = sglang_swa_cpu.build_swa_cache(kv_size=40_000, swa_size=20_000, window=32)
+    sglang_swa_cpu.grow_tree(cc, 200, sglang_swa_cpu.session_requests(32, seed=2))
+    plan = cc.plan
+
+    def broken(alpha):
+        raise RuntimeError("injected")
+
+    plan.next_victim = broken
+    for _ in range(5):
+        assert cc.evict_swa(8).swa_num_tokens_evicted >= 8  # upstream's walk frees what is asked
+    assert cc.settings.faulted == "RuntimeError('injected')"
+    assert plan.root is None  # no longer kept: the hooks are no-ops
+    assert sum("Marconi SWA eviction failed" in r.getMessage() for r in caplog.records) == 1
+    cc.check_no_leak()

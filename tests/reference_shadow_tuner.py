@@ -1,0 +1,798 @@
+"""FROZEN REFERENCE (tests only): `sglang_marconi/policy/shadow_tuner.py` as of commit 3ef8560,
+before the shadows were restructured to share their matching work (issue 23, item 4). Its shadows
+are plain `HybridPrefixCache`s, each walking and admitting on its own. `tests/test_shadow_equivalence.py`
+runs it beside the package's tuner on the same streams and requires identical decisions and scores.
+Do not edit it to follow later changes of the tuner's rule: a rule change must change both on purpose.
+
+The original module docstring follows.
+
+Continuous shadow tuning: which eviction choice the live cache should use, decided from one
+shadow cache per candidate choice, all kept running on the same sample of sessions.
+
+- Sampling (SHARDS-style): a session is in the sample when its hash falls below `sample_rate`
+  (`policy/sampling.py`); the shadows see only sampled sessions, at capacity x `sample_rate`.
+- One shared shadow until the first eviction: before any eviction every candidate holds exactly
+  the same tree, so a single cache stands for all of them; it keeps both recency conventions
+  (SGLang's LRU refreshes the whole matched path, Marconi only the node hit). Just before its
+  first eviction it forks into one shadow per candidate, so a cache that never fills costs one
+  shadow, not one per candidate.
+- Candidates: SGLang's LRU, FLOP-aware eviction at each alpha of the grid (alpha = 0 is its own
+  choice: LRU over Marconi's candidates, refreshing only the node hit), and SegLen-style eviction
+  at each of its weights (`eviction/seglen.py`).
+- Evidence (`Evidence`): per candidate, exponentially decayed sums of what its shadow saved on
+  each sampled request (prefill FLOPs, `objective="flops"`, or hit tokens) over a long window
+  (`half_life` sampled requests) and a short one (`guard_half_life`), from the fork on, beside
+  the same sums of what the requests could save at most (`potential`: margins are points, as
+  the targets are). A lead is judged with session-clustered standard errors (a block of 8
+  requests of one session is one observation: one conversation one shadow keeps is not forty
+  pieces of evidence) and must hold in both halves of the clusters (a salted hash).
+- The rule (`_decide`, every `epoch` sampled requests): first the guard, then adoption.
+  Guard: a current choice other than the safe one (LRU, the start) is abandoned as soon as LRU
+  leads it (since the switch, over the short window or the long one; `guard_margin`,
+  `guard_z`); each revert raises that choice's bar (margin x (1 + reverts)). Adoption: the
+  leader (best long-window score; near-ties, within `tie`, to the value-first choices) replaces
+  the current choice if it leads it (and LRU) by the margin and either significantly (`z`
+  clustered standard errors over the long window, both halves, still ahead over the short
+  one) or for long enough (its short-window lead in points summed over an unbroken run of
+  sampled requests reaches `persist`); no second switch within `dwell` sampled requests.
+- Decided at the first eviction, with a prior (`_Miniatures`): until the fork, miniature shadows
+  at `prior_scale` x the capacity run beside the shared shadow; they fill first, so when the
+  shadows fork (and no shadow hit yet tells the choices apart, while the first evictions already
+  decide what the live cache will keep) their leader, if it leads LRU by the margin, is adopted
+  at once. The guard takes it back if it turns out wrong.
+- Evidence beyond the sample (`_Verifier`, sample rate < 1 with every request fed): sampled
+  shadows only propose. A trial cache, forked from an LRU anchor, both fed a second, larger and
+  independent sample (`verify_rate`, another salt: by default twice the shadows' rate, at least
+  half the sessions, all of them from a rate of 0.5), must beat the anchor (after `half_life`
+  requests of patience: value-first evictions started from a recency-shaped cache often gain at
+  first and lose later) before the live cache adopts the proposal; the adopted trial, the live
+  cache's stand-in, is guarded against the anchor. A caller that passes only sampled requests
+  (the server at rate < 1) gets the sampled rule alone.
+
+The tuner never touches the live cache: `observe()` returns the new choice when it switches and
+the caller adopts it (`adopt_choice` for the policy core's cache, the serving runtime for
+SGLang's). Decisions depend only on the stream of (session, input, output), so the simulator
+and the server make the same ones for the same stream.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
+
+from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
+from sglang_marconi.policy.eviction.flop_aware import check_alpha
+from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.radix_tree import Node, Walk, as_token_array
+from sglang_marconi.policy.sampling import check_rate, session_in_sample
+
+LRU = "lru"  # the choice that stands for SGLang's LRU (leaves only, whole-path refresh)
+SEGLEN = "seglen"  # "seglen:W": SegLen-style eviction with weight W (`eviction/seglen.py`)
+OBJECTIVES = ("flops", "token_hit_rate")
+Choice = float | str  # an alpha of FLOP-aware eviction, LRU, or "seglen:W"
+# Large alphas matter: with both terms min-max normalized, alpha >> 1 ranks by FLOP efficiency
+# first (recency breaks near-ties), which wins by 10-20 points on contended chat traces.
+DEFAULT_ALPHA_GRID = (0.0, 1.0, 20.0, 100.0)
+DEFAULT_SEGLEN_WEIGHTS = (1.0, 100.0)
+
+
+def parse_alpha_grid(text: str) -> tuple[float, ...]:
+    """'0:2:0.1' (START:STOP:STEP, inclusive) or '0,0.5,1'; ValueError if it is neither."""
+    if ":" in text:
+        start, stop, step = (float(x) for x in text.split(":"))
+        if step <= 0 or stop < start:
+            raise ValueError(f"alpha grid {text!r}: need STEP > 0 and STOP >= START")
+        return tuple(round(start + i * step, 6) for i in range(int(round((stop - start) / step)) + 1))
+    return tuple(float(x) for x in text.split(","))
+
+
+def parse_seglen_weights(text: str) -> tuple[float, ...]:
+    """'1,100' or 'none' (no SegLen candidates); ValueError if it is neither."""
+    return () if text == "none" else tuple(float(x) for x in text.split(","))
+
+
+def seglen_choice(weight: float) -> str:
+    return f"{SEGLEN}:{check_alpha(weight):g}"
+
+
+def choice_label(choice: Choice) -> str:
+    return choice if isinstance(choice, str) else f"{float(choice):g}"
+
+
+def eviction_for(choice: Choice) -> EvictionPolicy:
+    if choice == LRU:
+        return LruLeafEviction()
+    if isinstance(choice, str):
+        return SegLenEviction(float(choice.partition(":")[2]))
+    return FlopAwareEviction(float(choice))
+
+
+def adopt_choice(cache: HybridPrefixCache, choice: Choice) -> None:
+    """Switch a policy-core cache to `choice`; a change of weight alone keeps the policy object."""
+    wanted = eviction_for(choice)
+    if type(cache.eviction) is type(wanted) and not isinstance(wanted, LruLeafEviction):
+        cache.eviction.alpha = wanted.alpha  # same score columns: only the weight changes
+    elif type(cache.eviction) is not type(wanted):
+        cache.set_eviction(wanted)
+
+
+@dataclass(frozen=True)
+class ShadowConfig:
+    alpha_grid: tuple[float, ...] = DEFAULT_ALPHA_GRID
+    seglen_weights: tuple[float, ...] = DEFAULT_SEGLEN_WEIGHTS  # SegLen-style candidates (may be empty)
+    lru: bool = True  # SGLang's LRU is a candidate too (and the starting choice: the safe one)
+    objective: str = "flops"
+    sample_rate: float = 1.0
+    epoch: int = 4  # sampled requests between decisions
+    half_life: float = 1000.0  # sampled requests: the long window adoptions are judged on
+    margin: float = 0.005  # lead a choice needs to be adopted, as a share of what the requests could save at most
+    z: float = 2.0  # and this many session-clustered standard errors
+    tie: float = 0.01  # choices within this share (of the same) of the best score tie for the lead
+    guard_half_life: float = 250.0  # sampled requests: the short window the guard watches
+    guard_margin: float = 0.0025  # lead of the safe choice (LRU) that makes the guard revert to it
+    guard_z: float = 1.0  # and this many session-clustered standard errors
+    dwell: int = 100  # sampled requests after a switch before another one (the guard's reverts excepted)
+    persist: float = 4000.0  # a lead held this long is adopted without z: its points x sampled requests, summed
+    prior_scale: float = 0.5  # miniature shadows at this share of the capacity pick the choice adopted at the fork
+    prune_after: int = 500  # sampled requests after the fork before a clearly beaten shadow may be dropped (0: never)
+    prune_margin: float = 0.02  # how far behind the leader (share of potential, both windows, z errors) it must be
+    revive_every: int = 4000  # sampled requests between revivals of dropped shadows (forked from the current one's)
+    verify_rate: float | None = None  # sessions the verifier's caches see (salt 1); None: min(1, max(0.5, 2 x sample_rate))
+    verify: bool = True  # at sample_rate < 1, adopt only what the verifier's larger sample confirms (`_Verifier`)
+
+    def __post_init__(self):
+        if not self.alpha_grid:
+            raise MarconiError("alpha_grid is empty")
+        grid = tuple(sorted({check_alpha(a) for a in self.alpha_grid}))
+        object.__setattr__(self, "alpha_grid", grid)
+        object.__setattr__(self, "seglen_weights", tuple(sorted({check_alpha(w) for w in self.seglen_weights})))
+        if self.objective not in OBJECTIVES:
+            raise MarconiError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        check_rate(self.sample_rate)
+        if self.verify_rate is not None:
+            check_rate(self.verify_rate)
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 1:
+            raise MarconiError(f"epoch must be an integer >= 1 (sampled requests), got {self.epoch!r}")
+        for name in ("half_life", "margin", "z", "tie", "guard_half_life", "guard_margin", "guard_z", "dwell", "persist",
+                     "prune_after", "prune_margin", "revive_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
+                raise MarconiError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("half_life", "guard_half_life"):
+            if not getattr(self, name) > 0:
+                raise MarconiError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if isinstance(self.prior_scale, bool) or not isinstance(self.prior_scale, (int, float)) \
+                or not 0 <= self.prior_scale < 1:
+            raise MarconiError(f"prior_scale must be in [0, 1) (0: no miniatures), got {self.prior_scale!r}")
+
+    @property
+    def choices(self) -> tuple[Choice, ...]:
+        """LRU, the alphas, SegLen (the order scores and tables use)."""
+        return ((LRU,) if self.lru else ()) + self.alpha_grid + tuple(map(seglen_choice, self.seglen_weights))
+
+    @property
+    def start(self) -> Choice:
+        """The safe choice: where the live cache starts and where the guard sends it back."""
+        return self.choices[0]
+
+
+@dataclass
+class TunerLog:
+    decisions: list[tuple[int, Choice]] = field(default_factory=list)  # (requests seen, choice adopted)
+    requests: int = 0
+    sampled: int = 0
+    forked_at: int | None = None  # requests seen when the shared shadow forked
+    seconds: float = 0.0  # time spent in observe()
+    reverts: int = 0  # times the guard sent the live cache back to the safe choice
+    prior: Choice | None = None  # the miniatures' choice adopted at the fork, if any
+    pruned: int = 0  # shadows dropped from the race (`ShadowConfig.prune_after`)
+    revived: int = 0  # and brought back
+
+
+LONG, SHORT = 0, 1  # the two windows of `Evidence`
+
+
+class Evidence:
+    """Decayed per-arm sums of what each arm saved, over two windows (half-lives in added
+    requests), with what is needed to judge a lead beyond the requests it came from:
+
+    - session-clustered second moments: `M[w] = sum over clusters c of D_c D_c^T`, D_c a
+      cluster's decayed per-arm sums, so Var(S_a - S_b) ~ M_aa + M_bb - 2 M_ab treats a cluster
+      as one observation. A cluster is a block of `block` consecutive requests of one session:
+      a session's requests are correlated (one conversation that one arm keeps is one piece of
+      evidence, not forty), while a long session that keeps gaining block after block is
+      evidence that holds over time;
+    - the same sums split into two halves of the clusters (a salted hash): a lead must hold in
+      both, not come from a handful of sessions on one side."""
+
+    _PRUNE_EVERY = 4096
+
+    def __init__(self, k: int, half_lives: tuple[float, ...], block: int = 8):
+        """One window per half-life (math.inf: no decay)."""
+        self.k, self.block = k, block
+        self.decay = np.array([0.5 ** (1.0 / h) for h in half_lives])
+        w = len(half_lives)
+        self.scores = np.zeros((w, k))
+        self.potential = np.zeros(w)
+        self.moments = np.zeros((w, k, k))
+        self.halves = np.zeros((w, 2, k))
+        self.sessions: dict[str, tuple[np.ndarray, int, int, int]] = {}  # key -> (D (2, k), t, half, requests)
+        self.t = 0
+
+    def add(self, session_key: str, gains: np.ndarray, whole: float) -> None:
+        self.t += 1
+        d = self.decay
+        self.scores *= d[:, None]
+        self.scores += gains
+        self.potential = self.potential * d + whole
+        entry = self.sessions.get(session_key)
+        n = 0 if entry is None else entry[3]
+        if n % self.block == 0:  # a new cluster: the session's next block of requests
+            half = int(session_in_sample(f"{session_key}\0{n // self.block}", 0.5, salt=1))
+            prior = None
+        else:
+            stored, t_s, half, _ = entry
+            prior = stored * (d ** (self.t - t_s))[:, None]  # the cluster's sums, decayed to now
+        self.moments *= (d * d)[:, None, None]
+        gg = np.outer(gains, gains)
+        self.moments += gg
+        if prior is not None:
+            cross = prior[:, :, None] * gains[None, None, :]
+            self.moments += cross + cross.transpose(0, 2, 1)
+            total = prior + gains
+        else:
+            total = np.broadcast_to(gains, self.scores.shape).copy()
+        self.halves *= d[:, None, None]
+        self.halves[:, half] += gains
+        self.sessions[session_key] = (total, self.t, half, n + 1)
+        if self.t % self._PRUNE_EVERY == 0:
+            self._prune()
+
+    def _prune(self) -> None:
+        # a session idle for ~13 long half-lives weighs < 1e-4 of its prime: forget it (its share of
+        # `moments` stays, decaying; were it to come back it would start from zero)
+        if self.decay[LONG] >= 1.0:
+            return
+        horizon = math.log(1e-4) / math.log(self.decay[LONG])
+        self.sessions = {s: e for s, e in self.sessions.items() if self.t - e[1] < horizon}
+
+    def copy_arm(self, src: int, dst: int) -> None:
+        """Arm `dst`'s evidence becomes arm `src`'s (as if it had saved what `src` did)."""
+        self.scores[:, dst] = self.scores[:, src]
+        self.halves[:, :, dst] = self.halves[:, :, src]
+        m = self.moments
+        m[:, dst, :] = m[:, src, :]
+        m[:, :, dst] = m[:, :, src]
+        for d, _, _, _ in self.sessions.values():
+            d[:, dst] = d[:, src]
+
+    def select(self, arms: Sequence[int]) -> Evidence:
+        """The same evidence restricted to `arms` (in that order)."""
+        idx = np.asarray(arms)
+        out = Evidence.__new__(Evidence)
+        out.k, out.block, out.decay, out.t = len(idx), self.block, self.decay, self.t
+        out.scores, out.potential = self.scores[:, idx].copy(), self.potential.copy()
+        out.moments = self.moments[:, idx][:, :, idx].copy()
+        out.halves = self.halves[:, :, idx].copy()
+        out.sessions = {s: (d[:, idx].copy(), t, h, n) for s, (d, t, h, n) in self.sessions.items()}
+        return out
+
+    def lead(self, a: int, b: int, window: int, margin: float, z: float, halves: bool = True) -> bool:
+        """Whether arm `a` leads arm `b` in `window` by more than `margin` x potential, by more than
+        `z` clustered standard errors, and (`halves`) in both halves of the clusters."""
+        gap = self.scores[window, a] - self.scores[window, b]
+        if gap <= margin * self.potential[window]:
+            return False
+        m = self.moments[window]
+        if gap <= z * math.sqrt(max(m[a, a] + m[b, b] - 2 * m[a, b], 0.0)):
+            return False
+        h = self.halves[window]
+        return not halves or bool(h[0, a] > h[0, b] and h[1, a] > h[1, b])
+
+
+class ShadowTuner:
+    """Feed it every request (`observe`); it returns the choice to adopt whenever it switches."""
+
+    def __init__(self, profile, capacity_bytes: int, config: ShadowConfig = ShadowConfig(), *,
+                 checkpoint_grid: int = 1, page_size: int = 1, state_slots: int | None = None,
+                 probation: bool = False):
+        """`capacity_bytes` (and `state_slots`, for two budgets: see `HybridPrefixCache`) are the
+        live cache's; the shadows get them scaled by the sample rate. `probation`: the live cache
+        keeps probationary states (`HybridPrefixCache`), so the shadows do too."""
+        self.profile = profile
+        self.config = config
+        self.choices = config.choices
+        rate = config.sample_rate
+        shadow_bytes = int(capacity_bytes * rate)
+        shadow_slots = None if state_slots is None else max(2, round(state_slots * rate))
+        if shadow_bytes < (2 * profile.ssm_state_bytes if state_slots is None else 1):
+            raise MarconiError(
+                f"sample_rate={rate} scales capacity {capacity_bytes} below one request's two "
+                f"SSM states ({2 * profile.ssm_state_bytes} bytes); raise the sample rate"
+            )
+        self.shared: _SharedShadow | None = _SharedShadow(
+            profile, shadow_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=shadow_slots,
+            probation=probation)
+        self.shadows: list[HybridPrefixCache] = []
+        # Miniatures: the same shadows at `prior_scale` x the capacity, from the start until the fork.
+        # They fill (and fork) first, so when the shadows fork, before any of them has a hit to
+        # tell them apart, the miniatures have already seen which eviction does better under
+        # contention: their leader is adopted at the fork (the guard reverts it if it loses). They
+        # stop (their verdict kept for the fork) once they have run as long after their fork as
+        # before it: a cache that is slow to fill does not pay for seven of them all along.
+        self.mini: _Miniatures | None = None
+        self._prior: int | None = None  # the miniatures' verdict, once they stopped
+        mini_bytes = int(shadow_bytes * config.prior_scale)
+        if config.prior_scale > 0 and (mini_bytes >= 2 * profile.ssm_state_bytes or state_slots is not None):
+            mini_slots = None if shadow_slots is None else max(2, round(shadow_slots * config.prior_scale))
+            self.mini = _Miniatures(self, _SharedShadow(profile, max(1, mini_bytes), checkpoint_grid=checkpoint_grid,
+                                                        page_size=page_size, state_slots=mini_slots,
+                                                        probation=probation))
+        self.current = config.start
+        self.evidence = Evidence(len(self.choices), (config.half_life, config.guard_half_life))
+        self.since = Evidence(len(self.choices), (math.inf,))  # since the last switch: what the guard judges
+        self.strikes = np.zeros(len(self.choices))  # reverts away from each choice: each raises its bar
+        self._since_decision = 0
+        self._since_switch = config.dwell  # sampled requests since the last switch
+        self._held = np.zeros(len(self.choices))  # each one's lead over the current one, points x sampled requests
+        self._flops: dict[int, float] = {0: 0.0}
+        self.log = TunerLog(decisions=[(0, self.current)])
+        self._fed = 0  # observe() calls: equal to log.requests while the caller feeds every request
+        self.verifier = _Verifier(self, capacity_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size,
+                                  state_slots=state_slots, probation=probation) if rate < 1 and config.verify else None
+
+    @property
+    def scores(self) -> np.ndarray:
+        """Each candidate's decayed score over the long window (FLOPs saved or hit tokens)."""
+        return self.evidence.scores[LONG]
+
+    @property
+    def potential(self) -> float:
+        """The same decayed sum of what the requests could save at most (their whole inputs)."""
+        return float(self.evidence.potential[LONG])
+
+    # -- the stream --------------------------------------------------------------------------
+    def observe(self, session_key: str, input_tokens, output_tokens) -> Choice | None:
+        """One served request. Returns the newly adopted choice, or None (no switch)."""
+        self.log.requests += 1
+        self._fed += 1
+        sampled = session_in_sample(session_key, self.config.sample_rate)
+        if self.verifier is not None and self._fed != self.log.requests:
+            self.verifier = None  # the caller passes only sampled requests: no check beyond the sample is possible
+        verified = self.verifier is not None and self.verifier.sees(session_key)
+        if not sampled and not verified:
+            return None
+        started = time.perf_counter()
+        try:
+            inp, out = as_token_array(input_tokens), np.asarray(output_tokens, dtype=np.int64)
+            seq = np.concatenate((inp, out)) if len(out) else inp
+            switched = self._serve_sampled(session_key, inp, seq) if sampled else None
+            if verified:
+                switched = self.verifier.serve(session_key, inp, seq) or switched
+            return switched
+        finally:
+            self.log.seconds += time.perf_counter() - started
+
+    def _serve_sampled(self, key: str, inp: np.ndarray, seq: np.ndarray) -> Choice | None:
+        self.log.sampled += 1
+        if self.shared is not None:
+            if self.mini is not None:
+                self.mini.serve(key, inp, seq)
+                if self.mini.done():
+                    self._prior, self.mini = self.mini.leader(), None
+            lookup = self.shared.lookup(inp)
+            try:
+                self.shared.admit(seq, lookup.checkpoint_at, len(inp))
+                return None
+            except _ForkNow:
+                self._fork(seq, lookup.checkpoint_at, len(inp))
+            hits = [lookup.hit_tokens] * len(self.shadows)
+            mini, self.mini = self.mini, None
+            prior = self._prior if mini is None else mini.leader()
+            if prior is not None and self.verifier is None:
+                self._score(key, hits, len(inp))
+                self.log.prior = self.choices[prior]
+                return self._switch(prior)
+        else:
+            hits = []
+            for shadow in self.shadows:
+                if shadow is None:  # dropped: it saves nothing until it is revived
+                    hits.append(0)
+                    continue
+                lookup = shadow.lookup(inp)
+                shadow.admit(seq, lookup.checkpoint_at, len(inp))
+                hits.append(lookup.hit_tokens)
+        self._score(key, hits, len(inp))
+        self._since_switch += 1
+        self._since_decision += 1
+        if self._since_decision >= self.config.epoch:
+            self._since_decision = 0
+            return self._decide()
+        return None
+
+    def _fork(self, seq: np.ndarray, checkpoint_at: int | None, input_len: int) -> None:
+        shared, self.shared = self.shared, None
+        self.log.forked_at = self.log.requests
+        self._sampled_at_fork = self._revived_at = self.log.sampled
+        self.shadows = fork_shadows(self.profile, shared, self.choices, seq, checkpoint_at, input_len)
+
+    # -- scores and decisions ----------------------------------------------------------------
+    def _gain(self, hit: int) -> float:
+        flops = self._flops.get(hit)
+        if flops is None:
+            if len(self._flops) > 65536:
+                self._flops = {0: 0.0}
+            flops = self._flops[hit] = self.profile.prefill_flops(0, hit)
+        return flops
+
+    def _score(self, key: str, hits: Sequence[int], input_len: int) -> None:
+        if self.config.objective == "flops":
+            gains = np.array([self._gain(h) for h in hits])
+            whole = self.profile.prefill_flops(0, input_len)
+        else:
+            gains, whole = np.asarray(hits, dtype=float), float(input_len)
+        self.evidence.add(key, gains, whole)
+        self.since.add(key, gains, whole)
+
+    def _decide(self) -> Choice | None:
+        """The guard first: a current choice other than the safe one (LRU) that the safe one now
+        leads (since the switch, over the short window or over the long one, by `guard_margin`,
+        `guard_z` clustered standard errors and in both halves) is abandoned, and each such
+        revert raises the bar for adopting that choice again. Then adoption of the leader (the
+        best long-window score, near-ties to the value-first choices): it must lead the current
+        choice (and the safe one) by the margin, and either significantly (over the long window,
+        by `z` clustered standard errors and in both halves, still leading over the short one)
+        or for long enough (its short-window lead in points, summed over the sampled requests of
+        an unbroken run of leads, reaches `persist`). No switch but the guard's within `dwell`
+        sampled requests of the last one."""
+        c, ev = self.config, self.evidence
+        cur, safe = self.choices.index(self.current), 0
+        self._prune_or_revive(cur)
+        if cur != safe and self.verifier is None and any(
+                e.lead(safe, cur, w, c.guard_margin, z)
+                for e, w, z in ((self.since, LONG, c.z), (ev, SHORT, c.guard_z), (ev, LONG, c.guard_z))):
+            self.strikes[cur] += 1
+            self.log.reverts += 1
+            return self._switch(safe)
+        bars = c.margin * (1.0 + self.strikes)
+        pts = 100 * (ev.scores[SHORT] - ev.scores[SHORT, cur]) / ev.potential[SHORT]
+        self._held = np.where(pts > 100 * bars, self._held + c.epoch * pts, 0.0)
+        best = self.leader()
+        if self.verifier is not None:  # the best of those the verifier has not just turned down
+            allowed = self.verifier.allowed()
+            if not allowed[best]:
+                scores = np.where(allowed, ev.scores[LONG], -np.inf)
+                best = int(np.argmax(scores)) if np.isfinite(scores.max()) else cur
+        if best == cur or self._since_switch < c.dwell or not self._held[best]:
+            return None
+        bar = bars[best]
+        significant = ev.lead(best, cur, LONG, bar, c.z)
+        if not (significant or (self._held[best] >= c.persist and ev.lead(best, cur, LONG, 0.0, 0.0, False))):
+            return None
+        if best != safe and cur != safe and not ev.lead(best, safe, SHORT, bar, 0.0, False):
+            return None
+        if self.verifier is not None:  # a sample proposes; the verifier's larger one decides
+            self._held[best] = 0
+            self.verifier.propose(best)
+            return None
+        return self._switch(best)
+
+    def _prune_or_revive(self, cur: int) -> None:
+        """Racing: a shadow that trails the leader by `prune_margin` over both windows, by `z`
+        clustered standard errors over the long one, `prune_after` sampled requests after the fork
+        or later, is dropped (never LRU's, the current choice's or the leader's): the shadows' cost
+        goes to the choices still in the race. Every `revive_every` sampled requests the dropped
+        ones come back, forked from the current choice's shadow with its evidence so far (as if
+        they had behaved like it until now), so that a shift in the workload can bring them back."""
+        c, ev = self.config, self.evidence
+        since_fork = self.log.sampled - self._sampled_at_fork
+        if not c.prune_after or since_fork < c.prune_after:
+            return
+        dropped = [v for v, shadow in enumerate(self.shadows) if shadow is None]
+        if dropped and self.log.sampled - self._revived_at >= c.revive_every:
+            self._revived_at = self.log.sampled
+            donor_index = cur if self.shadows[cur] is not None else 0  # the live choice may have come via the verifier
+            donor = self.shadows[donor_index]
+            for v in dropped:
+                eviction = eviction_for(self.choices[v])
+                self.shadows[v] = HybridPrefixCache.from_snapshot(self.profile, donor.snapshot(), eviction)
+                ev.copy_arm(donor_index, v)
+                self.since.copy_arm(donor_index, v)
+            self.log.revived += len(dropped)
+            return
+        lead = self.leader()
+        trial = self.verifier.trial_choice() if self.verifier is not None else None
+        for v, shadow in enumerate(self.shadows):
+            if shadow is None or v in (0, cur, lead, trial):
+                continue
+            if ev.lead(lead, v, LONG, c.prune_margin, c.z, False) and ev.lead(lead, v, SHORT, c.prune_margin, 0.0, False):
+                self.shadows[v] = None
+                self.log.pruned += 1
+
+    def leader(self) -> int:
+        """Index of the choice that leads the long window: among those within `tie` x potential
+        of the best score, the last listed (SegLen, then the largest alpha). Right after the fork
+        the choices still behave alike, and the value-first ones are those whose gains show only
+        later; the guard sends the live cache back to LRU if that bet turns out wrong."""
+        scores = self.evidence.scores[LONG]
+        top = scores.max()
+        return int(np.flatnonzero(scores >= top - self.config.tie * self.evidence.potential[LONG])[-1])
+
+    def _switch(self, index: int) -> Choice:
+        self._since_switch = 0
+        self._held[:] = 0
+        self.since = Evidence(len(self.choices), (math.inf,))
+        self.current = self.choices[index]
+        self.log.decisions.append((self.log.requests, self.current))
+        return self.current
+
+    def score_table(self) -> dict[str, float]:
+        """Each candidate's decayed score (FLOPs saved or hit tokens), by choice label."""
+        return {choice_label(c): float(s) for c, s in zip(self.choices, self.scores)}
+
+
+class _Verifier:
+    """Evidence beyond the sample (sample rate < 1, every request fed): caches over a second,
+    larger, independent sample (`rate`, salt 1; capacity scaled alike; all sessions from a
+    shadow rate of 0.5) that check what the sampled shadows propose before the live cache
+    adopts it.
+
+    - An anchor: the safe choice (LRU) over the verifier's sample, from the start.
+    - A trial: when the sampled shadows propose a choice, a cache forked from the anchor
+      (or from the mirror, if the live cache is not on the safe choice) runs it from then on. It
+      is adopted only if, after `half_life` requests at least (more for a struck choice: value-first
+      evictions started from a recency-shaped cache often gain at first and lose once their
+      long prefixes have piled up), it beats the cache it was forked from, and the anchor, by the
+      tuner's own rule (margin and clustered significance, or a lead held long enough); it is
+      dropped (and the proposal struck, raising its bar and its patience) if either leads it or it
+      has not qualified within three times that.
+    - A mirror: the adopted trial goes on as the live cache's stand-in; the guard compares it with
+      the anchor (the exact "what if we had stayed on LRU") and reverts the live cache to the safe
+      choice when the anchor leads.
+    Its Evidence windows count the requests of its own sample."""
+
+    def __init__(self, tuner: ShadowTuner, capacity_bytes: int, *, checkpoint_grid: int, page_size: int, state_slots,
+                 probation: bool = False):
+        self.tuner = tuner
+        c = tuner.config
+        self.rate = min(1.0, max(0.5, 2 * c.sample_rate)) if c.verify_rate is None else check_rate(c.verify_rate)
+        capacity_bytes = int(capacity_bytes * self.rate)
+        state_slots = None if state_slots is None else max(2, round(state_slots * self.rate))
+        self._kw = dict(checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=state_slots,
+                        probation=probation)
+        self.capacity_bytes = capacity_bytes
+        safe = tuner.config.start
+        self.arms: list[tuple[int, HybridPrefixCache]] = [
+            (0, HybridPrefixCache(tuner.profile, capacity_bytes, eviction_for(safe), **self._kw))]
+        self.mirror: int | None = None  # index in arms of the live cache's stand-in
+        self.trial: int | None = None
+        self.evidence: Evidence | None = None  # over the arms, since the oldest of them but the anchor started
+        self.trial_started = 0
+        self._since_decision = 0
+        self._held = 0.0
+        self._blocked_until = np.zeros(len(tuner.choices))  # a turned-down proposal waits (requests)
+
+    def trial_choice(self) -> int | None:
+        return None if self.trial is None else self.arms[self.trial][0]
+
+    def sees(self, session_key: str) -> bool:
+        """Its own session sample: independent of the shadows' (another salt), and larger."""
+        return self.rate >= 1.0 or session_in_sample(session_key, self.rate, salt=1)
+
+    def allowed(self) -> np.ndarray:
+        return self._blocked_until <= self.tuner.log.requests
+
+    def propose(self, choice: int) -> None:
+        if self.trial is not None or choice == self.tuner.choices.index(self.tuner.current):
+            return
+        parent = self.arms[self.mirror if self.mirror is not None else 0][1]
+        eviction = eviction_for(self.tuner.choices[choice])
+        cache = HybridPrefixCache.from_snapshot(self.tuner.profile, parent.snapshot(), eviction)
+        self.arms.append((choice, cache))
+        self.trial = len(self.arms) - 1
+        self.trial_started = self.tuner.log.requests
+        self._held = 0.0
+        k = len(self.arms)
+        c = self.tuner.config
+        if self.evidence is None:
+            self.evidence = Evidence(k, (c.half_life, c.guard_half_life))
+        else:  # keep the mirror's evidence, add the trial's from zero
+            fresh = Evidence(k, (c.half_life, c.guard_half_life))
+            old = self.evidence
+            fresh.scores[:, : k - 1], fresh.potential = old.scores, old.potential
+            fresh.moments[:, : k - 1, : k - 1], fresh.halves[:, :, : k - 1] = old.moments, old.halves
+            fresh.t = old.t
+            for s, (d, t, h, n) in old.sessions.items():
+                fresh.sessions[s] = (np.concatenate((d, np.zeros((d.shape[0], 1))), axis=1), t, h, n)
+            self.evidence = fresh
+            self._trial_base = old.scores.copy()
+
+    def serve(self, key: str, inp: np.ndarray, seq: np.ndarray) -> Choice | None:
+        hits = []
+        for _, cache in self.arms:
+            lookup = cache.lookup(inp)
+            cache.admit(seq, lookup.checkpoint_at, len(inp))
+            hits.append(lookup.hit_tokens)
+        if self.evidence is None:
+            return None
+        tuner = self.tuner
+        if tuner.config.objective == "flops":
+            gains = np.array([tuner._gain(h) for h in hits])
+            whole = tuner.profile.prefill_flops(0, len(inp))
+        else:
+            gains, whole = np.asarray(hits, dtype=float), float(len(inp))
+        self.evidence.add(key, gains, whole)
+        self._since_decision += 1
+        if self._since_decision < tuner.config.epoch:
+            return None
+        self._since_decision = 0
+        return self._decide()
+
+    def _decide(self) -> Choice | None:
+        c, ev, tuner = self.tuner.config, self.evidence, self.tuner
+        live = self.mirror
+        if live is not None and any(ev.lead(0, live, w, c.guard_margin, c.guard_z) for w in (SHORT, LONG)):
+            choice = self.arms[live][0]
+            tuner.strikes[choice] += 1
+            self._blocked_until[choice] = tuner.log.requests + 2 * c.half_life * tuner.strikes[choice]
+            tuner.log.reverts += 1
+            self._keep([0])
+            return tuner._switch(0)
+        if self.trial is None:
+            return None
+        t, parent = self.trial, (live if live is not None else 0)
+        choice = self.arms[t][0]
+        age = tuner.log.requests - self.trial_started
+        patience = c.half_life * (1.0 + tuner.strikes[choice])  # a fresh lead is often transient: wait it out
+        if ev.lead(0, t, SHORT, c.guard_margin, c.guard_z) or ev.lead(parent, t, SHORT, c.guard_margin, c.guard_z) \
+                or age > 3 * patience:
+            tuner.strikes[choice] += 1
+            self._blocked_until[choice] = tuner.log.requests + 2 * c.half_life * tuner.strikes[choice]
+            self._keep([i for i in range(len(self.arms)) if i != t])
+            return None
+        if age < patience:
+            return None
+        bar = c.margin * (1.0 + tuner.strikes[choice])
+        pts = 100 * min((ev.scores[SHORT, t] - ev.scores[SHORT, p]) / ev.potential[SHORT] for p in {0, parent})
+        self._held = self._held + c.epoch * pts if pts > 100 * bar else 0.0
+        leads = all(ev.lead(t, p, LONG, bar, c.z) for p in {0, parent})
+        if not (leads or (self._held >= c.persist and all(ev.lead(t, p, LONG, 0.0, 0.0, False) for p in {0, parent}))):
+            return None
+        self._keep([0, t])
+        self.mirror = 1
+        return tuner._switch(choice)
+
+    def _keep(self, arms: list[int]) -> None:
+        """Keep only these arms (the anchor first); their evidence goes on."""
+        self.arms = [self.arms[i] for i in arms]
+        self.evidence = self.evidence.select(arms) if len(arms) > 1 else None
+        self.trial = None
+        self.mirror = 1 if len(arms) > 1 and self.mirror is not None and arms[1] == self.mirror else None
+
+
+def fork_shadows(profile, shared: _SharedShadow, choices, seq: np.ndarray, checkpoint_at: int | None,
+                 input_len: int):
+    """One cache per choice from the shared shadow's contents, each with its own recency, the
+    request that made the shared shadow fork admitted."""
+    shadows = []
+    for choice in choices:
+        eviction = eviction_for(choice)
+        shadow = HybridPrefixCache.from_snapshot(profile, shared.snapshot_as(eviction), eviction)
+        shadow.admit(seq, checkpoint_at, input_len)
+        shadows.append(shadow)
+    return shadows
+
+
+class _Miniatures:
+    """The shadows at a fraction of their capacity, until the shadows fork (`ShadowTuner.mini`)."""
+
+    def __init__(self, tuner: ShadowTuner, shared: _SharedShadow):
+        self.tuner, self.shared = tuner, shared
+        self.shadows: list[HybridPrefixCache] = []
+        self.served = 0
+        self.served_at_fork: int | None = None
+        c = tuner.config
+        self.evidence = Evidence(len(tuner.choices), (c.half_life, c.guard_half_life))
+
+    def done(self) -> bool:
+        return self.served_at_fork is not None and self.served >= 2 * self.served_at_fork
+
+    def serve(self, key: str, inp: np.ndarray, seq: np.ndarray) -> None:
+        self.served += 1
+        if self.shared is not None:
+            lookup = self.shared.lookup(inp)
+            try:
+                self.shared.admit(seq, lookup.checkpoint_at, len(inp))
+                return
+            except _ForkNow:
+                self.served_at_fork = self.served
+                shared, self.shared = self.shared, None
+                self.shadows = fork_shadows(self.tuner.profile, shared, self.tuner.choices, seq, lookup.checkpoint_at,
+                                            len(inp))
+            hits = [lookup.hit_tokens] * len(self.shadows)
+        else:
+            hits = []
+            for shadow in self.shadows:
+                lookup = shadow.lookup(inp)
+                shadow.admit(seq, lookup.checkpoint_at, len(inp))
+                hits.append(lookup.hit_tokens)
+        tuner = self.tuner
+        if tuner.config.objective == "flops":
+            gains, whole = np.array([tuner._gain(h) for h in hits]), tuner.profile.prefill_flops(0, len(inp))
+        else:
+            gains, whole = np.asarray(hits, dtype=float), float(len(inp))
+        self.evidence.add(key, gains, whole)
+
+    def leader(self) -> int | None:
+        """The miniatures' leader (near-ties to the value-first choices) if it leads the safe choice
+        by the margin over everything they saw since they forked; else None."""
+        ev, c = self.evidence, self.tuner.config
+        if not self.shadows or not ev.potential[LONG]:
+            return None
+        scores = ev.scores[LONG]
+        best = int(np.flatnonzero(scores >= scores.max() - c.tie * ev.potential[LONG])[-1])
+        return best if best != 0 and ev.lead(best, 0, LONG, c.margin, 0.0, False) else None
+
+
+class _ForkNow(Exception):
+    """Raised by the shared shadow's eviction policy: the candidates are about to diverge."""
+
+
+class _ForkBeforeEvicting(EvictionPolicy):
+    name = "fork"
+    # Every node any candidate could evict: if there is none, no candidate evicts either.
+    evicts_single_child_nodes = True
+    refresh_matched_path = False  # unused: _SharedShadow keeps both conventions
+
+    def choose(self, candidates):
+        raise _ForkNow
+
+
+class _SharedShadow(HybridPrefixCache):
+    """Stands for every candidate until the first eviction. Recency is kept both ways: Marconi's
+    (only the node hit is refreshed: `last_access`, `clock`) and SGLang's LRU (every node of the
+    matched path: `path_access`, `path_clock`)."""
+
+    def __init__(self, profile, capacity_bytes: int, *, checkpoint_grid: int, page_size: int, state_slots,
+                 probation: bool = False):
+        super().__init__(profile, capacity_bytes, _ForkBeforeEvicting(), checkpoint_grid=checkpoint_grid,
+                         page_size=page_size, state_slots=state_slots, probation=probation)
+        self.path_access: dict[int, float] = {}
+        self.path_clock = 0.0
+
+    def _touch_hit(self, walk: Walk, hit_node: Node) -> None:
+        if hit_node is not self.tree.root:
+            self.clock += 1.0
+            hit_node.last_access = self.clock
+        for node in walk.path:
+            self.path_clock += 1.0
+            self.path_access[node.id] = self.path_clock
+
+    def _touch(self, node: Node) -> None:
+        self.clock += 1.0
+        node.last_access = self.clock
+        self.path_clock += 1.0
+        self.path_access[node.id] = self.path_clock
+
+    def _add_leaf(self, parent: Node, tokens: np.ndarray) -> Node:
+        leaf = super()._add_leaf(parent, tokens)
+        self.path_access[leaf.id] = self.path_clock
+        return leaf
+
+    def _split(self, child: Node, k: int) -> Node:
+        head = super()._split(child, k)
+        self.path_access[head.id] = self.path_access.get(child.id, 0.0)
+        return head
+
+    def snapshot_as(self, eviction: EvictionPolicy):
+        """This cache's contents with the recency `eviction` would have kept."""
+        snap = self.snapshot()
+        if not eviction.refresh_matched_path:
+            return snap
+        stamps = [self.path_access.get(node.id, 0.0) for node in self.tree.nodes()]
+        return replace(snap, last_access=stamps, clock=self.path_clock)

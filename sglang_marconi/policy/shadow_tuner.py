@@ -60,8 +60,10 @@ from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
 from sglang_marconi.policy.eviction.flop_aware import check_alpha
 from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
-from sglang_marconi.policy.radix_tree import Node, Walk, as_token_array
+from sglang_marconi.policy.radix_tree import as_token_array
 from sglang_marconi.policy.sampling import check_rate, session_in_sample
+from sglang_marconi.policy.shadow_cache import FlopsTable, ShadowCache, ShadowNode
+from sglang_marconi.policy.shared_match import SharedMatch
 
 LRU = "lru"  # the choice that stands for SGLang's LRU (leaves only, whole-path refresh)
 SEGLEN = "seglen"  # "seglen:W": SegLen-style eviction with weight W (`eviction/seglen.py`)
@@ -299,6 +301,8 @@ class ShadowTuner:
         self.profile = profile
         self.config = config
         self.choices = config.choices
+        self.page_size = page_size
+        self.flops = FlopsTable(profile)  # every cache of this tuner refreshes the same spans
         rate = config.sample_rate
         shadow_bytes = int(capacity_bytes * rate)
         shadow_slots = None if state_slots is None else max(2, round(state_slots * rate))
@@ -309,8 +313,8 @@ class ShadowTuner:
             )
         self.shared: _SharedShadow | None = _SharedShadow(
             profile, shadow_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=shadow_slots,
-            probation=probation)
-        self.shadows: list[HybridPrefixCache] = []
+            probation=probation, flops=self.flops)
+        self.shadows: list[ShadowCache | None] = []
         # Miniatures: the same shadows at `prior_scale` x the capacity, from the start until the fork.
         # They fill (and fork) first, so when the shadows fork, before any of them has a hit to
         # tell them apart, the miniatures have already seen which eviction does better under
@@ -324,7 +328,7 @@ class ShadowTuner:
             mini_slots = None if shadow_slots is None else max(2, round(shadow_slots * config.prior_scale))
             self.mini = _Miniatures(self, _SharedShadow(profile, max(1, mini_bytes), checkpoint_grid=checkpoint_grid,
                                                         page_size=page_size, state_slots=mini_slots,
-                                                        probation=probation))
+                                                        probation=probation, flops=self.flops))
         self.current = config.start
         self.evidence = Evidence(len(self.choices), (config.half_life, config.guard_half_life))
         self.since = Evidence(len(self.choices), (math.inf,))  # since the last switch: what the guard judges
@@ -363,31 +367,33 @@ class ShadowTuner:
         try:
             inp, out = as_token_array(input_tokens), np.asarray(output_tokens, dtype=np.int64)
             seq = np.concatenate((inp, out)) if len(out) else inp
-            switched = self._serve_sampled(session_key, inp, seq) if sampled else None
+            match = SharedMatch(seq, len(inp), self.page_size)  # compared once for every cache below
+            switched = self._serve_sampled(session_key, match) if sampled else None
             if verified:
-                switched = self.verifier.serve(session_key, inp, seq) or switched
+                switched = self.verifier.serve(session_key, match) or switched
             return switched
         finally:
             self.log.seconds += time.perf_counter() - started
 
-    def _serve_sampled(self, key: str, inp: np.ndarray, seq: np.ndarray) -> Choice | None:
+    def _serve_sampled(self, key: str, match: SharedMatch) -> Choice | None:
         self.log.sampled += 1
+        input_len = match.input_len
         if self.shared is not None:
             if self.mini is not None:
-                self.mini.serve(key, inp, seq)
+                self.mini.serve(key, match)
                 if self.mini.done():
                     self._prior, self.mini = self.mini.leader(), None
-            lookup = self.shared.lookup(inp)
+            hit, checkpoint_at = self.shared.lookup(match)
             try:
-                self.shared.admit(seq, lookup.checkpoint_at, len(inp))
+                self.shared.admit(match, checkpoint_at, input_len)
                 return None
             except _ForkNow:
-                self._fork(seq, lookup.checkpoint_at, len(inp))
-            hits = [lookup.hit_tokens] * len(self.shadows)
+                self._fork(match, checkpoint_at)
+            hits = [hit] * len(self.shadows)
             mini, self.mini = self.mini, None
             prior = self._prior if mini is None else mini.leader()
             if prior is not None and self.verifier is None:
-                self._score(key, hits, len(inp))
+                self._score(key, hits, input_len)
                 self.log.prior = self.choices[prior]
                 return self._switch(prior)
         else:
@@ -396,10 +402,10 @@ class ShadowTuner:
                 if shadow is None:  # dropped: it saves nothing until it is revived
                     hits.append(0)
                     continue
-                lookup = shadow.lookup(inp)
-                shadow.admit(seq, lookup.checkpoint_at, len(inp))
-                hits.append(lookup.hit_tokens)
-        self._score(key, hits, len(inp))
+                hit, checkpoint_at = shadow.lookup(match)
+                shadow.admit(match, checkpoint_at, input_len)
+                hits.append(hit)
+        self._score(key, hits, input_len)
         self._since_switch += 1
         self._since_decision += 1
         if self._since_decision >= self.config.epoch:
@@ -407,11 +413,11 @@ class ShadowTuner:
             return self._decide()
         return None
 
-    def _fork(self, seq: np.ndarray, checkpoint_at: int | None, input_len: int) -> None:
+    def _fork(self, match: SharedMatch, checkpoint_at: int | None) -> None:
         shared, self.shared = self.shared, None
         self.log.forked_at = self.log.requests
         self._sampled_at_fork = self._revived_at = self.log.sampled
-        self.shadows = fork_shadows(self.profile, shared, self.choices, seq, checkpoint_at, input_len)
+        self.shadows = fork_shadows(self.profile, shared, self.choices, match, checkpoint_at)
 
     # -- scores and decisions ----------------------------------------------------------------
     def _gain(self, hit: int) -> float:
@@ -492,7 +498,7 @@ class ShadowTuner:
             donor = self.shadows[donor_index]
             for v in dropped:
                 eviction = eviction_for(self.choices[v])
-                self.shadows[v] = HybridPrefixCache.from_snapshot(self.profile, donor.snapshot(), eviction)
+                self.shadows[v] = ShadowCache.from_snapshot(self.profile, donor.snapshot(), eviction, flops=self.flops)
                 ev.copy_arm(donor_index, v)
                 self.since.copy_arm(donor_index, v)
             self.log.revived += len(dropped)
@@ -559,8 +565,8 @@ class _Verifier:
                         probation=probation)
         self.capacity_bytes = capacity_bytes
         safe = tuner.config.start
-        self.arms: list[tuple[int, HybridPrefixCache]] = [
-            (0, HybridPrefixCache(tuner.profile, capacity_bytes, eviction_for(safe), **self._kw))]
+        self.arms: list[tuple[int, ShadowCache]] = [
+            (0, ShadowCache(tuner.profile, capacity_bytes, eviction_for(safe), flops=tuner.flops, **self._kw))]
         self.mirror: int | None = None  # index in arms of the live cache's stand-in
         self.trial: int | None = None
         self.evidence: Evidence | None = None  # over the arms, since the oldest of them but the anchor started
@@ -584,7 +590,7 @@ class _Verifier:
             return
         parent = self.arms[self.mirror if self.mirror is not None else 0][1]
         eviction = eviction_for(self.tuner.choices[choice])
-        cache = HybridPrefixCache.from_snapshot(self.tuner.profile, parent.snapshot(), eviction)
+        cache = ShadowCache.from_snapshot(self.tuner.profile, parent.snapshot(), eviction, flops=self.tuner.flops)
         self.arms.append((choice, cache))
         self.trial = len(self.arms) - 1
         self.trial_started = self.tuner.log.requests
@@ -604,20 +610,21 @@ class _Verifier:
             self.evidence = fresh
             self._trial_base = old.scores.copy()
 
-    def serve(self, key: str, inp: np.ndarray, seq: np.ndarray) -> Choice | None:
+    def serve(self, key: str, match: SharedMatch) -> Choice | None:
         hits = []
+        input_len = match.input_len
         for _, cache in self.arms:
-            lookup = cache.lookup(inp)
-            cache.admit(seq, lookup.checkpoint_at, len(inp))
-            hits.append(lookup.hit_tokens)
+            hit, checkpoint_at = cache.lookup(match)
+            cache.admit(match, checkpoint_at, input_len)
+            hits.append(hit)
         if self.evidence is None:
             return None
         tuner = self.tuner
         if tuner.config.objective == "flops":
             gains = np.array([tuner._gain(h) for h in hits])
-            whole = tuner.profile.prefill_flops(0, len(inp))
+            whole = tuner.profile.prefill_flops(0, input_len)
         else:
-            gains, whole = np.asarray(hits, dtype=float), float(len(inp))
+            gains, whole = np.asarray(hits, dtype=float), float(input_len)
         self.evidence.add(key, gains, whole)
         self._since_decision += 1
         if self._since_decision < tuner.config.epoch:
@@ -667,15 +674,18 @@ class _Verifier:
         self.mirror = 1 if len(arms) > 1 and self.mirror is not None and arms[1] == self.mirror else None
 
 
-def fork_shadows(profile, shared: _SharedShadow, choices, seq: np.ndarray, checkpoint_at: int | None,
-                 input_len: int):
+def fork_shadows(profile, shared: _SharedShadow, choices, match: SharedMatch, checkpoint_at: int | None):
     """One cache per choice from the shared shadow's contents, each with its own recency, the
     request that made the shared shadow fork admitted."""
     shadows = []
+    snapshots = {}  # by recency convention: every choice of one convention starts from the same snapshot
     for choice in choices:
         eviction = eviction_for(choice)
-        shadow = HybridPrefixCache.from_snapshot(profile, shared.snapshot_as(eviction), eviction)
-        shadow.admit(seq, checkpoint_at, input_len)
+        snap = snapshots.get(eviction.refresh_matched_path)
+        if snap is None:
+            snap = snapshots[eviction.refresh_matched_path] = shared.snapshot_as(eviction)
+        shadow = ShadowCache.from_snapshot(profile, snap, eviction, flops=shared.flops)
+        shadow.admit(match, checkpoint_at, match.input_len)
         shadows.append(shadow)
     return shadows
 
@@ -685,7 +695,7 @@ class _Miniatures:
 
     def __init__(self, tuner: ShadowTuner, shared: _SharedShadow):
         self.tuner, self.shared = tuner, shared
-        self.shadows: list[HybridPrefixCache] = []
+        self.shadows: list[ShadowCache] = []
         self.served = 0
         self.served_at_fork: int | None = None
         c = tuner.config
@@ -694,30 +704,30 @@ class _Miniatures:
     def done(self) -> bool:
         return self.served_at_fork is not None and self.served >= 2 * self.served_at_fork
 
-    def serve(self, key: str, inp: np.ndarray, seq: np.ndarray) -> None:
+    def serve(self, key: str, match: SharedMatch) -> None:
         self.served += 1
+        input_len = match.input_len
         if self.shared is not None:
-            lookup = self.shared.lookup(inp)
+            hit, checkpoint_at = self.shared.lookup(match)
             try:
-                self.shared.admit(seq, lookup.checkpoint_at, len(inp))
+                self.shared.admit(match, checkpoint_at, input_len)
                 return
             except _ForkNow:
                 self.served_at_fork = self.served
                 shared, self.shared = self.shared, None
-                self.shadows = fork_shadows(self.tuner.profile, shared, self.tuner.choices, seq, lookup.checkpoint_at,
-                                            len(inp))
-            hits = [lookup.hit_tokens] * len(self.shadows)
+                self.shadows = fork_shadows(self.tuner.profile, shared, self.tuner.choices, match, checkpoint_at)
+            hits = [hit] * len(self.shadows)
         else:
             hits = []
             for shadow in self.shadows:
-                lookup = shadow.lookup(inp)
-                shadow.admit(seq, lookup.checkpoint_at, len(inp))
-                hits.append(lookup.hit_tokens)
+                hit, checkpoint_at = shadow.lookup(match)
+                shadow.admit(match, checkpoint_at, input_len)
+                hits.append(hit)
         tuner = self.tuner
         if tuner.config.objective == "flops":
-            gains, whole = np.array([tuner._gain(h) for h in hits]), tuner.profile.prefill_flops(0, len(inp))
+            gains, whole = np.array([tuner._gain(h) for h in hits]), tuner.profile.prefill_flops(0, input_len)
         else:
-            gains, whole = np.asarray(hits, dtype=float), float(len(inp))
+            gains, whole = np.asarray(hits, dtype=float), float(input_len)
         self.evidence.add(key, gains, whole)
 
     def leader(self) -> int | None:
@@ -745,38 +755,38 @@ class _ForkBeforeEvicting(EvictionPolicy):
         raise _ForkNow
 
 
-class _SharedShadow(HybridPrefixCache):
+class _SharedShadow(ShadowCache):
     """Stands for every candidate until the first eviction. Recency is kept both ways: Marconi's
     (only the node hit is refreshed: `last_access`, `clock`) and SGLang's LRU (every node of the
     matched path: `path_access`, `path_clock`)."""
 
     def __init__(self, profile, capacity_bytes: int, *, checkpoint_grid: int, page_size: int, state_slots,
-                 probation: bool = False):
+                 probation: bool = False, flops: FlopsTable | None = None):
         super().__init__(profile, capacity_bytes, _ForkBeforeEvicting(), checkpoint_grid=checkpoint_grid,
-                         page_size=page_size, state_slots=state_slots, probation=probation)
+                         page_size=page_size, state_slots=state_slots, probation=probation, flops=flops)
         self.path_access: dict[int, float] = {}
         self.path_clock = 0.0
 
-    def _touch_hit(self, walk: Walk, hit_node: Node) -> None:
-        if hit_node is not self.tree.root:
+    def _touch_hit(self, path: list[ShadowNode], hit_node: ShadowNode) -> None:
+        if hit_node is not self.root:
             self.clock += 1.0
             hit_node.last_access = self.clock
-        for node in walk.path:
+        for node in path:
             self.path_clock += 1.0
             self.path_access[node.id] = self.path_clock
 
-    def _touch(self, node: Node) -> None:
+    def _touch(self, node: ShadowNode) -> None:
         self.clock += 1.0
         node.last_access = self.clock
         self.path_clock += 1.0
         self.path_access[node.id] = self.path_clock
 
-    def _add_leaf(self, parent: Node, tokens: np.ndarray) -> Node:
-        leaf = super()._add_leaf(parent, tokens)
+    def _add_leaf(self, parent: ShadowNode, src: np.ndarray, start: int, end: int) -> ShadowNode:
+        leaf = super()._add_leaf(parent, src, start, end)
         self.path_access[leaf.id] = self.path_clock
         return leaf
 
-    def _split(self, child: Node, k: int) -> Node:
+    def _split(self, child: ShadowNode, k: int) -> ShadowNode:
         head = super()._split(child, k)
         self.path_access[head.id] = self.path_access.get(child.id, 0.0)
         return head
@@ -786,5 +796,5 @@ class _SharedShadow(HybridPrefixCache):
         snap = self.snapshot()
         if not eviction.refresh_matched_path:
             return snap
-        stamps = [self.path_access.get(node.id, 0.0) for node in self.tree.nodes()]
+        stamps = [self.path_access.get(node.id, 0.0) for node in self.nodes()]
         return replace(snap, last_access=stamps, clock=self.path_clock)

@@ -208,40 +208,46 @@ class Evidence:
 
     def __init__(self, k: int, half_lives: tuple[float, ...], block: int = 8):
         """One window per half-life (math.inf: no decay)."""
-        self.k, self.block = k, block
-        self.decay = np.array([0.5 ** (1.0 / h) for h in half_lives])
-        w = len(half_lives)
-        self.scores = np.zeros((w, k))
-        self.potential = np.zeros(w)
-        self.moments = np.zeros((w, k, k))
-        self.halves = np.zeros((w, 2, k))
+        self._setup(k, np.array([0.5 ** (1.0 / h) for h in half_lives]), block)
+
+    def _setup(self, k: int, decay: np.ndarray, block: int) -> None:
+        self.k, self.block, self.decay = k, block, decay
+        w = len(decay)
+        # scores, potential, halves and moments are views into one buffer, so that one multiply
+        # decays them all (the same product per value as decaying each: moments by d x d)
+        sizes = (w * k, w, w * 2 * k, w * k * k)
+        self._buf = np.zeros(sum(sizes))
+        cuts = np.cumsum(sizes)
+        self.scores = self._buf[: cuts[0]].reshape(w, k)
+        self.potential = self._buf[cuts[0] : cuts[1]]
+        self.halves = self._buf[cuts[1] : cuts[2]].reshape(w, 2, k)
+        self.moments = self._buf[cuts[2] :].reshape(w, k, k)
+        self._buf_decay = np.concatenate((np.repeat(decay, k), decay, np.repeat(decay, 2 * k),
+                                          np.repeat(decay * decay, k * k)))
         self.sessions: dict[str, tuple[np.ndarray, int, int, int]] = {}  # key -> (D (2, k), t, half, requests)
         self.t = 0
 
     def add(self, session_key: str, gains: np.ndarray, whole: float) -> None:
+        """One request's gains per arm (and what it could have saved at most). Each value gets the
+        same floating-point operations in the same order as a plain per-array update would apply
+        (decay, then this request's terms), so the sums do not depend on how they are batched."""
         self.t += 1
-        d = self.decay
-        self.scores *= d[:, None]
+        self._buf *= self._buf_decay
         self.scores += gains
-        self.potential = self.potential * d + whole
+        self.potential += whole
         entry = self.sessions.get(session_key)
         n = 0 if entry is None else entry[3]
+        self.moments += gains[:, None] * gains  # the outer product
         if n % self.block == 0:  # a new cluster: the session's next block of requests
             half = int(session_in_sample(f"{session_key}\0{n // self.block}", 0.5, salt=1))
-            prior = None
+            total = np.empty_like(self.scores)
+            total[:] = gains
         else:
             stored, t_s, half, _ = entry
-            prior = stored * (d ** (self.t - t_s))[:, None]  # the cluster's sums, decayed to now
-        self.moments *= (d * d)[:, None, None]
-        gg = np.outer(gains, gains)
-        self.moments += gg
-        if prior is not None:
-            cross = prior[:, :, None] * gains[None, None, :]
+            prior = stored * (self.decay ** (self.t - t_s))[:, None]  # the cluster's sums, decayed to now
+            cross = prior[:, :, None] * gains
             self.moments += cross + cross.transpose(0, 2, 1)
             total = prior + gains
-        else:
-            total = np.broadcast_to(gains, self.scores.shape).copy()
-        self.halves *= d[:, None, None]
         self.halves[:, half] += gains
         self.sessions[session_key] = (total, self.t, half, n + 1)
         if self.t % self._PRUNE_EVERY == 0:
@@ -268,12 +274,28 @@ class Evidence:
     def select(self, arms: Sequence[int]) -> Evidence:
         """The same evidence restricted to `arms` (in that order)."""
         idx = np.asarray(arms)
-        out = Evidence.__new__(Evidence)
-        out.k, out.block, out.decay, out.t = len(idx), self.block, self.decay, self.t
-        out.scores, out.potential = self.scores[:, idx].copy(), self.potential.copy()
-        out.moments = self.moments[:, idx][:, :, idx].copy()
-        out.halves = self.halves[:, :, idx].copy()
+        out = self._like(len(idx))
+        out.t = self.t
+        out.scores[:], out.potential[:] = self.scores[:, idx], self.potential
+        out.moments[:] = self.moments[:, idx][:, :, idx]
+        out.halves[:] = self.halves[:, :, idx]
         out.sessions = {s: (d[:, idx].copy(), t, h, n) for s, (d, t, h, n) in self.sessions.items()}
+        return out
+
+    def extended(self) -> Evidence:
+        """The same evidence with one more arm, which has saved nothing so far."""
+        k = self.k
+        out = self._like(k + 1)
+        out.t = self.t
+        out.scores[:, :k], out.potential[:] = self.scores, self.potential
+        out.moments[:, :k, :k], out.halves[:, :, :k] = self.moments, self.halves
+        for s, (d, t, h, n) in self.sessions.items():
+            out.sessions[s] = (np.concatenate((d, np.zeros((d.shape[0], 1))), axis=1), t, h, n)
+        return out
+
+    def _like(self, k: int) -> Evidence:
+        out = Evidence.__new__(Evidence)
+        out._setup(k, self.decay, self.block)
         return out
 
     def lead(self, a: int, b: int, window: int, margin: float, z: float, halves: bool = True) -> bool:
@@ -600,15 +622,8 @@ class _Verifier:
         if self.evidence is None:
             self.evidence = Evidence(k, (c.half_life, c.guard_half_life))
         else:  # keep the mirror's evidence, add the trial's from zero
-            fresh = Evidence(k, (c.half_life, c.guard_half_life))
-            old = self.evidence
-            fresh.scores[:, : k - 1], fresh.potential = old.scores, old.potential
-            fresh.moments[:, : k - 1, : k - 1], fresh.halves[:, :, : k - 1] = old.moments, old.halves
-            fresh.t = old.t
-            for s, (d, t, h, n) in old.sessions.items():
-                fresh.sessions[s] = (np.concatenate((d, np.zeros((d.shape[0], 1))), axis=1), t, h, n)
-            self.evidence = fresh
-            self._trial_base = old.scores.copy()
+            self._trial_base = self.evidence.scores.copy()
+            self.evidence = self.evidence.extended()
 
     def serve(self, key: str, match: SharedMatch) -> Choice | None:
         hits = []

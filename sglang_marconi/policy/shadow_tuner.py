@@ -457,7 +457,14 @@ class ShadowTuner:
         else:
             gains, whole = np.asarray(hits, dtype=float), float(input_len)
         self.evidence.add(key, gains, whole)
-        self.since.add(key, gains, whole)
+        if self.guard_reads_since():
+            self.since.add(key, gains, whole)
+
+    def guard_reads_since(self) -> bool:
+        """Whether `since` may be read before the next switch resets it: only the guard reads it,
+        and only while the current choice is not the safe one. On the safe choice its sums are
+        dead and are not kept (they cost as much as the evidence itself)."""
+        return self.current != self.config.start
 
     def _decide(self) -> Choice | None:
         """The guard first: a current choice other than the safe one (LRU) that the safe one now

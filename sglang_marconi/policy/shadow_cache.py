@@ -122,6 +122,7 @@ class ShadowCache:
         self.counters = CacheCounters()
         self.probation = probation
         self._probation: dict[int, ShadowNode] = {}
+        self._walked = None  # (match, walk) that lookup leaves for admit
         self.set_eviction(eviction)
 
     def set_eviction(self, eviction: EvictionPolicy) -> None:
@@ -149,18 +150,38 @@ class ShadowCache:
         """`RadixTree.walk` of match.seq[:n]: (path, partial, partial_len, overlap)."""
         node, pos, path = self.root, 0, []
         page = self.page_size
+        key, agreed_end = match.key, match.agreed_end
         while pos < n:
-            child = node.children.get(match.key(pos))
+            child = node.children.get(key(pos))
             if child is None:
                 break
             end = child.end if child.end < n else n
-            agreed = match.agreed_end(child.src, pos, end)
+            agreed = agreed_end(child.src, pos, end)
             if agreed < child.end:
                 k = agreed - pos
-                return path, child, k - k % page, pos + k - k % page
+                k -= k % page
+                return path, child, k, pos + k
             path.append(child)
             node, pos = child, child.end
         return path, None, 0, pos
+
+    @staticmethod
+    def _input_part(walk, n_in: int):
+        """The walk of the input's first n_in tokens (the lookup's), from the walk of the whole
+        sequence: its nodes that end by n_in, and the node it stops inside, if any."""
+        path, partial, partial_len, overlap = walk
+        for j, node in enumerate(path):
+            if node.end > n_in:  # it starts at or before n_in
+                if node.start == n_in:
+                    return path[:j], None, 0, n_in
+                return path[:j], node, n_in - node.start, n_in
+        if partial is None:
+            return walk
+        if partial.start >= n_in:
+            return path, None, 0, n_in
+        if overlap <= n_in:
+            return walk
+        return path, partial, n_in - partial.start, n_in
 
     def _new_node(self, parent: ShadowNode, src: np.ndarray, start: int, end: int) -> ShadowNode:
         node = ShadowNode(parent, self._key_at(src, start), src, start, end, self._next_id)
@@ -205,10 +226,13 @@ class ShadowCache:
 
     # -- request API -----------------------------------------------------------------------------
     def lookup(self, match: SharedMatch) -> tuple[int, int | None]:
-        """`HybridPrefixCache.lookup` of the request's input: (hit tokens, checkpoint_at)."""
-        input_len = match.input_len
-        n = input_len - input_len % self.page_size
-        path, partial, _, overlap = self._walk(match, n)
+        """`HybridPrefixCache.lookup` of the request's input: (hit tokens, checkpoint_at). It walks
+        the whole sequence once and keeps the walk for `admit`, which follows on the same tree."""
+        page = self.page_size
+        seq, input_len = match.seq, match.input_len
+        walk = self._walk(match, len(seq) - len(seq) % page)
+        self._walked = (match, walk)
+        path, partial, _, overlap = self._input_part(walk, input_len - input_len % page)
         limit = input_len - 1
         hit_node = self.root
         attention_only = self.attention_only
@@ -220,11 +244,11 @@ class ShadowCache:
         self._touch_hit(path, hit_node)
         if attention_only:
             hit = min(overlap, limit)
-            return hit - hit % self.page_size, None
+            return hit - hit % page, None
         if self._probation:
             self._probation.pop(hit_node.id, None)
         hit = hit_node.end
-        # _branch_checkpoint
+        # HybridPrefixCache._branch_checkpoint
         if partial is None:
             last = path[-1] if path else None
             if last is None or not last.children or last.has_state:
@@ -245,9 +269,11 @@ class ShadowCache:
         seq = match.seq
         page = self.page_size
         n = len(seq) - len(seq) % page
+        walked, self._walked = self._walked, None
         if n == 0:
             return 0
-        path, partial, partial_len, overlap = self._walk(match, n)
+        walk = walked[1] if walked is not None and walked[0] is match else self._walk(match, n)
+        path, partial, partial_len, overlap = walk
         positions = [] if self.attention_only else [n]
         if positions and checkpoint_at is not None and 0 < checkpoint_at < n and checkpoint_at % page == 0:
             positions.insert(0, int(checkpoint_at))
@@ -262,13 +288,18 @@ class ShadowCache:
             if not self._make_room((n - overlap) * self.kv_bytes_per_token, new_states):
                 self.counters.admissions_skipped += 1
                 return 0
-            leaf = None
+            # The nodes along seq[:n] from here on: locked, so evictions left them whole.
+            spine = list(path)
             if n > overlap:
                 attach = self._split(partial, partial_len) if partial else (path[-1] if path else self.root)
-                leaf = self._add_leaf(attach, seq, overlap, n)
+                if partial:
+                    spine.append(attach)
+                spine.append(self._add_leaf(attach, seq, overlap, n))
+            elif partial:
+                spine.append(partial)
             admitted = 0
             for pos in positions:
-                node = leaf if pos == n and leaf is not None else self._node_at(match, pos)
+                node = self._node_on(spine, pos)
                 if not node.has_state:
                     node.has_state = True
                     self.ssm_states += 1
@@ -284,6 +315,18 @@ class ShadowCache:
         finally:
             if deepest is not None:
                 self.unlock(deepest)
+
+    def _node_on(self, spine: list[ShadowNode], pos: int) -> ShadowNode:
+        """The node ending at `pos` on the admitted path (`spine`, root side first), its edge split
+        there if `pos` falls inside it (`HybridPrefixCache._node_at` without walking again)."""
+        for j, node in enumerate(spine):
+            if node.end >= pos:
+                if node.end == pos:
+                    return node
+                head = self._split(node, pos - node.start)
+                spine.insert(j, head)
+                return head
+        raise AssertionError("admitted positions lie on the inserted path")
 
     def _node_at(self, match: SharedMatch, pos: int) -> ShadowNode:
         path, partial, partial_len, overlap = self._walk(match, pos)

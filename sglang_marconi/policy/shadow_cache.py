@@ -24,10 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction import EvictionPolicy
+from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
 from sglang_marconi.policy.hybrid_cache import CacheCounters
 from sglang_marconi.policy.shared_match import SharedMatch
 from sglang_marconi.policy.small_candidates import SmallCandidateIndex
+
+
+_CHOOSE_LOWEST = {FlopAwareEviction.choose, LruLeafEviction.choose, SegLenEviction.choose}
 
 
 class FlopsTable:
@@ -132,6 +135,9 @@ class ShadowCache:
         self._evicts_single_child = eviction.evicts_single_child_nodes
         self._refresh_path = eviction.refresh_matched_path
         self._by_length = getattr(eviction, "node_value", None) is not None  # SegLen ranks by replay length
+        # The three policies choose candidates.lowest(alpha) (LRU: alpha 0); asked directly, saving a
+        # call per eviction. Any other policy (the shared shadow's) is asked through `choose`.
+        self._alpha = getattr(eviction, "alpha", 0.0) if type(eviction).choose in _CHOOSE_LOWEST else None
 
     # -- accounting ----------------------------------------------------------------------------
     @property
@@ -426,7 +432,8 @@ class ShadowCache:
             return True
         if not self.index.items:
             return False
-        self.evict(self.eviction.choose(self.index))
+        alpha = self._alpha
+        self.evict(self.eviction.choose(self.index) if alpha is None else self.index.lowest(alpha))
         return True
 
     def evict(self, node: ShadowNode) -> None:
@@ -486,8 +493,8 @@ class ShadowCache:
         return self.flops(node.parent.end, node.end) / freed if freed else 0.0
 
     def _refresh(self, node: ShadowNode) -> None:
-        if node is self.root:
-            return
+        """`HybridPrefixCache._refresh`: a candidate is an unlocked node with no child, or with one
+        and a state where the policy evicts such nodes (the root is always locked)."""
         children = len(node.children)
         if not node.lock_count and node.parent is not None and (
                 children == 0 or (children == 1 and node.has_state and self._evicts_single_child)):

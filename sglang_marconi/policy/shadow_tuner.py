@@ -358,7 +358,6 @@ class ShadowTuner:
         self._since_decision = 0
         self._since_switch = config.dwell  # sampled requests since the last switch
         self._held = np.zeros(len(self.choices))  # each one's lead over the current one, points x sampled requests
-        self._flops: dict[int, float] = {0: 0.0}
         self.log = TunerLog(decisions=[(0, self.current)])
         self._fed = 0  # observe() calls: equal to log.requests while the caller feeds every request
         self.verifier = _Verifier(self, capacity_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size,
@@ -442,20 +441,16 @@ class ShadowTuner:
         self.shadows = fork_shadows(self.profile, shared, self.choices, match, checkpoint_at)
 
     # -- scores and decisions ----------------------------------------------------------------
-    def _gain(self, hit: int) -> float:
-        flops = self._flops.get(hit)
-        if flops is None:
-            if len(self._flops) > 65536:
-                self._flops = {0: 0.0}
-            flops = self._flops[hit] = self.profile.prefill_flops(0, hit)
-        return flops
+    def gains(self, hits: Sequence[int], input_len: int) -> tuple[np.ndarray, float]:
+        """What each cache saved on a request (hit tokens per cache) and what it could have saved
+        at most, in the objective's units."""
+        if self.config.objective == "flops":
+            flops = self.flops
+            return np.array([flops(0, h) for h in hits]), flops(0, input_len)
+        return np.asarray(hits, dtype=float), float(input_len)
 
     def _score(self, key: str, hits: Sequence[int], input_len: int) -> None:
-        if self.config.objective == "flops":
-            gains = np.array([self._gain(h) for h in hits])
-            whole = self.profile.prefill_flops(0, input_len)
-        else:
-            gains, whole = np.asarray(hits, dtype=float), float(input_len)
+        gains, whole = self.gains(hits, input_len)
         self.evidence.add(key, gains, whole)
         if self.guard_reads_since():
             self.since.add(key, gains, whole)
@@ -642,12 +637,7 @@ class _Verifier:
         if self.evidence is None:
             return None
         tuner = self.tuner
-        if tuner.config.objective == "flops":
-            gains = np.array([tuner._gain(h) for h in hits])
-            whole = tuner.profile.prefill_flops(0, input_len)
-        else:
-            gains, whole = np.asarray(hits, dtype=float), float(input_len)
-        self.evidence.add(key, gains, whole)
+        self.evidence.add(key, *tuner.gains(hits, input_len))
         self._since_decision += 1
         if self._since_decision < tuner.config.epoch:
             return None
@@ -745,12 +735,7 @@ class _Miniatures:
                 hit, checkpoint_at = shadow.lookup(match)
                 shadow.admit(match, checkpoint_at, input_len)
                 hits.append(hit)
-        tuner = self.tuner
-        if tuner.config.objective == "flops":
-            gains, whole = np.array([tuner._gain(h) for h in hits]), tuner.profile.prefill_flops(0, input_len)
-        else:
-            gains, whole = np.asarray(hits, dtype=float), float(input_len)
-        self.evidence.add(key, gains, whole)
+        self.evidence.add(key, *self.tuner.gains(hits, input_len))
 
     def leader(self) -> int | None:
         """The miniatures' leader (near-ties to the value-first choices) if it leads the safe choice

@@ -479,7 +479,7 @@ class ShadowCache:
         self.clock += 1.0
         node.last_access = self.clock
         if node.slot >= 0:
-            self.index._t[node.slot] = self.clock
+            self.index.touch(node.slot, self.clock)
 
     def _value(self, node: ShadowNode) -> float:
         """The index's second column: FLOP efficiency (`HybridPrefixCache.flop_efficiency`), or

@@ -156,13 +156,13 @@ class ShadowCache:
         """`RadixTree.walk` of match.seq[:n]: (path, partial, partial_len, overlap)."""
         node, pos, path = self.root, 0, []
         page = self.page_size
-        key, agreed_end = match.key, match.agreed_end
+        key, agreed_end, seq = match.key, match.agreed_end, match.seq
         while pos < n:
             child = node.children.get(key(pos))
             if child is None:
                 break
             end = child.end if child.end < n else n
-            agreed = agreed_end(child.src, pos, end)
+            agreed = end if child.src is seq else agreed_end(child.src, pos, end)
             if agreed < child.end:
                 k = agreed - pos
                 k -= k % page
@@ -283,10 +283,7 @@ class ShadowCache:
         positions = [] if self.attention_only else [n]
         if positions and checkpoint_at is not None and 0 < checkpoint_at < n and checkpoint_at % page == 0:
             positions.insert(0, int(checkpoint_at))
-        new_states = len(positions)
-        if new_states:
-            stateful_ends = {node.end for node in path if node.has_state}
-            new_states = sum(1 for p in positions if p not in stateful_ends)
+        new_states = sum(1 for p in positions if not self._state_on(path, p))
         deepest = partial or (path[-1] if path else None)
         if deepest is not None:
             self.lock(deepest)
@@ -322,11 +319,23 @@ class ShadowCache:
             if deepest is not None:
                 self.unlock(deepest)
 
+    @staticmethod
+    def _state_on(path: list[ShadowNode], pos: int) -> bool:
+        """Whether a node of `path` (root side first) ends at `pos` with a state. Searched from the
+        deep end: the admitted positions are the request's end and its branch, near the end."""
+        for j in range(len(path) - 1, -1, -1):
+            node = path[j]
+            if node.end <= pos:
+                return node.end == pos and node.has_state
+        return False
+
     def _node_on(self, spine: list[ShadowNode], pos: int) -> ShadowNode:
         """The node ending at `pos` on the admitted path (`spine`, root side first), its edge split
-        there if `pos` falls inside it (`HybridPrefixCache._node_at` without walking again)."""
-        for j, node in enumerate(spine):
-            if node.end >= pos:
+        there if `pos` falls inside it (`HybridPrefixCache._node_at` without walking again).
+        Searched from the deep end, as `_state_on`."""
+        for j in range(len(spine) - 1, -1, -1):
+            node = spine[j]
+            if node.start < pos:
                 if node.end == pos:
                     return node
                 head = self._split(node, pos - node.start)
@@ -391,8 +400,8 @@ class ShadowCache:
         root = self.root
         while node is not root:
             node.lock_count += 1
-            if node.lock_count == 1:
-                self._refresh(node)
+            if node.lock_count == 1 and node.slot >= 0:  # `_refresh` of a locked node: drop it if listed
+                self._drop(node)
             node = node.parent
 
     def unlock(self, node: ShadowNode) -> None:
@@ -481,24 +490,22 @@ class ShadowCache:
         if node.slot >= 0:
             self.index.touch(node.slot, self.clock)
 
-    def _value(self, node: ShadowNode) -> float:
-        """The index's second column: FLOP efficiency (`HybridPrefixCache.flop_efficiency`), or
-        SegLen's replay length."""
-        if not (node.has_state or self.attention_only):
-            return 0.0
-        if self._by_length:
-            return float(node.end - node.parent.end)
-        freed = (self.ssm_state_bytes if node.has_state else 0) + (
-            0 if node.children else (node.end - node.start) * self.kv_bytes_per_token)
-        return self.flops(node.parent.end, node.end) / freed if freed else 0.0
-
     def _refresh(self, node: ShadowNode) -> None:
         """`HybridPrefixCache._refresh`: a candidate is an unlocked node with no child, or with one
-        and a state where the policy evicts such nodes (the root is always locked)."""
+        and a state where the policy evicts such nodes (the root is always locked); its second
+        column is its FLOP efficiency (`HybridPrefixCache.flop_efficiency`) or, for SegLen, its
+        replay length."""
         children = len(node.children)
         if not node.lock_count and node.parent is not None and (
                 children == 0 or (children == 1 and node.has_state and self._evicts_single_child)):
-            value = self._value(node)
+            if not (node.has_state or self.attention_only):
+                value = 0.0
+            elif self._by_length:
+                value = float(node.end - node.parent.end)
+            else:
+                freed = (self.ssm_state_bytes if node.has_state else 0) + (
+                    0 if children else (node.end - node.start) * self.kv_bytes_per_token)
+                value = self.flops(node.parent.end, node.end) / freed if freed else 0.0
             if node.slot < 0:
                 node.slot = self.index.add(node, node.last_access, value)
             else:

@@ -46,9 +46,9 @@ class SharedMatch:
             entry = self._agreed[id(src)] = [src, pos, -1]
         elif entry[2] >= 0:
             return entry[2] if entry[2] < limit else limit
-        agreed = entry[1] if entry[1] > pos else pos
-        if agreed >= limit:
+        elif entry[1] >= limit:
             return limit
+        agreed = entry[1] if entry[1] > pos else pos
         same = self.seq[agreed:limit] == src[agreed:limit]
         if same.all():
             entry[1] = limit

@@ -1,0 +1,138 @@
+"""What the tuner's caches saved, and whether one choice's lead over another is real evidence.
+
+`Evidence` keeps, per arm (a candidate choice's cache), exponentially decayed sums of what it saved
+on each request over a long and a short window, with session-clustered second moments and
+split-half sums to judge a lead (`Evidence.lead`). The shadow tuner (`shadow_tuner.py`) and the
+sliding-window tuner (`window_tuner.py`) decide on it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from sglang_marconi.policy.sampling import session_in_sample
+
+LONG, SHORT = 0, 1  # the two windows of `Evidence`
+
+
+class Evidence:
+    """Decayed per-arm sums of what each arm saved, over two windows (half-lives in added
+    requests), with what is needed to judge a lead beyond the requests it came from:
+
+    - session-clustered second moments: `M[w] = sum over clusters c of D_c D_c^T`, D_c a
+      cluster's decayed per-arm sums, so Var(S_a - S_b) ~ M_aa + M_bb - 2 M_ab treats a cluster
+      as one observation. A cluster is a block of `block` consecutive requests of one session:
+      a session's requests are correlated (one conversation that one arm keeps is one piece of
+      evidence, not forty), while a long session that keeps gaining block after block is
+      evidence that holds over time;
+    - the same sums split into two halves of the clusters (a salted hash): a lead must hold in
+      both, not come from a handful of sessions on one side."""
+
+    _PRUNE_EVERY = 4096
+
+    def __init__(self, k: int, half_lives: tuple[float, ...], block: int = 8):
+        """One window per half-life (math.inf: no decay)."""
+        self._setup(k, np.array([0.5 ** (1.0 / h) for h in half_lives]), block)
+
+    def _setup(self, k: int, decay: np.ndarray, block: int) -> None:
+        self.k, self.block, self.decay = k, block, decay
+        w = len(decay)
+        # scores, potential, halves and moments are views into one buffer, so that one multiply
+        # decays them all (the same product per value as decaying each: moments by d x d)
+        sizes = (w * k, w, w * 2 * k, w * k * k)
+        self._buf = np.zeros(sum(sizes))
+        cuts = np.cumsum(sizes)
+        self.scores = self._buf[: cuts[0]].reshape(w, k)
+        self.potential = self._buf[cuts[0] : cuts[1]]
+        self.halves = self._buf[cuts[1] : cuts[2]].reshape(w, 2, k)
+        self.moments = self._buf[cuts[2] :].reshape(w, k, k)
+        self._buf_decay = np.concatenate((np.repeat(decay, k), decay, np.repeat(decay, 2 * k),
+                                          np.repeat(decay * decay, k * k)))
+        self.sessions: dict[str, tuple[np.ndarray, int, int, int]] = {}  # key -> (D (2, k), t, half, requests)
+        self.t = 0
+
+    def add(self, session_key: str, gains: np.ndarray, whole: float) -> None:
+        """One request's gains per arm (and what it could have saved at most). Each value gets the
+        same floating-point operations in the same order as a plain per-array update would apply
+        (decay, then this request's terms), so the sums do not depend on how they are batched."""
+        self.t += 1
+        self._buf *= self._buf_decay
+        self.scores += gains
+        self.potential += whole
+        entry = self.sessions.get(session_key)
+        n = 0 if entry is None else entry[3]
+        self.moments += gains[:, None] * gains  # the outer product
+        if n % self.block == 0:  # a new cluster: the session's next block of requests
+            half = int(session_in_sample(f"{session_key}\0{n // self.block}", 0.5, salt=1))
+            total = np.empty_like(self.scores)
+            total[:] = gains
+        else:
+            stored, t_s, half, _ = entry
+            prior = stored * (self.decay ** (self.t - t_s))[:, None]  # the cluster's sums, decayed to now
+            cross = prior[:, :, None] * gains
+            self.moments += cross + cross.transpose(0, 2, 1)
+            total = prior + gains
+        self.halves[:, half] += gains
+        self.sessions[session_key] = (total, self.t, half, n + 1)
+        if self.t % self._PRUNE_EVERY == 0:
+            self._prune()
+
+    def _prune(self) -> None:
+        # a session idle for ~13 long half-lives weighs < 1e-4 of its prime: forget it (its share of
+        # `moments` stays, decaying; were it to come back it would start from zero)
+        if self.decay[LONG] >= 1.0:
+            return
+        horizon = math.log(1e-4) / math.log(self.decay[LONG])
+        self.sessions = {s: e for s, e in self.sessions.items() if self.t - e[1] < horizon}
+
+    def copy_arm(self, src: int, dst: int) -> None:
+        """Arm `dst`'s evidence becomes arm `src`'s (as if it had saved what `src` did)."""
+        self.scores[:, dst] = self.scores[:, src]
+        self.halves[:, :, dst] = self.halves[:, :, src]
+        m = self.moments
+        m[:, dst, :] = m[:, src, :]
+        m[:, :, dst] = m[:, :, src]
+        for d, _, _, _ in self.sessions.values():
+            d[:, dst] = d[:, src]
+
+    def select(self, arms: Sequence[int]) -> Evidence:
+        """The same evidence restricted to `arms` (in that order)."""
+        idx = np.asarray(arms)
+        out = self._like(len(idx))
+        out.t = self.t
+        out.scores[:], out.potential[:] = self.scores[:, idx], self.potential
+        out.moments[:] = self.moments[:, idx][:, :, idx]
+        out.halves[:] = self.halves[:, :, idx]
+        out.sessions = {s: (d[:, idx].copy(), t, h, n) for s, (d, t, h, n) in self.sessions.items()}
+        return out
+
+    def extended(self) -> Evidence:
+        """The same evidence with one more arm, which has saved nothing so far."""
+        k = self.k
+        out = self._like(k + 1)
+        out.t = self.t
+        out.scores[:, :k], out.potential[:] = self.scores, self.potential
+        out.moments[:, :k, :k], out.halves[:, :, :k] = self.moments, self.halves
+        for s, (d, t, h, n) in self.sessions.items():
+            out.sessions[s] = (np.concatenate((d, np.zeros((d.shape[0], 1))), axis=1), t, h, n)
+        return out
+
+    def _like(self, k: int) -> Evidence:
+        out = Evidence.__new__(Evidence)
+        out._setup(k, self.decay, self.block)
+        return out
+
+    def lead(self, a: int, b: int, window: int, margin: float, z: float, halves: bool = True) -> bool:
+        """Whether arm `a` leads arm `b` in `window` by more than `margin` x potential, by more than
+        `z` clustered standard errors, and (`halves`) in both halves of the clusters."""
+        gap = self.scores[window, a] - self.scores[window, b]
+        if gap <= margin * self.potential[window]:
+            return False
+        m = self.moments[window]
+        if gap <= z * math.sqrt(max(m[a, a] + m[b, b] - 2 * m[a, b], 0.0)):
+            return False
+        h = self.halves[window]
+        return not halves or bool(h[0, a] > h[0, b] and h[1, a] > h[1, b])

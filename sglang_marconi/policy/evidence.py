@@ -136,3 +136,75 @@ class Evidence:
             return False
         h = self.halves[window]
         return not halves or bool(h[0, a] > h[0, b] and h[1, a] > h[1, b])
+
+
+class GuardSums:
+    """What the guard judges: `Evidence` over one undecayed window since the last switch, kept
+    only for the two arms the guard compares, the safe choice (arm 0) and the current one.
+
+    The shadow tuner resets these sums at every switch, and between switches the guard reads
+    only `lead(0, current)`; the other arms' sums would never be read before the next reset, so
+    they are not kept. The two arms' sums are plain floats updated with the same operations, in
+    the same order, as `Evidence.add` applies to them (an undecayed window multiplies by 1.0,
+    which changes nothing), so `lead` answers exactly as the full `Evidence` would."""
+
+    def __init__(self, current: int, block: int = 8):
+        self.arms = (0, current)
+        self.block = block
+        self.scores = [0.0, 0.0]
+        self.potential = 0.0
+        self.moments = [0.0, 0.0, 0.0]  # M[0,0], M[cur,cur], M[0,cur]
+        self.halves = [[0.0, 0.0], [0.0, 0.0]]  # [half][arm]
+        self.sessions: dict[str, tuple[float, float, int, int]] = {}  # key -> (D_0, D_cur, half, requests)
+        self.t = 0
+
+    def add(self, session_key: str, gains: np.ndarray, whole: float) -> None:
+        self.t += 1
+        ga, gb = float(gains[self.arms[0]]), float(gains[self.arms[1]])
+        s, m = self.scores, self.moments
+        s[0] += ga
+        s[1] += gb
+        self.potential += whole
+        m[0] += ga * ga
+        m[1] += gb * gb
+        m[2] += ga * gb
+        entry = self.sessions.get(session_key)
+        n = 0 if entry is None else entry[3]
+        if n % self.block == 0:  # a new cluster (as `Evidence.add` numbers and halves them)
+            half = int(session_in_sample(f"{session_key}\0{n // self.block}", 0.5, salt=1))
+            da, db = ga, gb
+        else:
+            pa, pb, half, _ = entry  # undecayed: the cluster's sums as stored
+            m[0] += pa * ga + pa * ga
+            m[1] += pb * gb + pb * gb
+            m[2] += pa * gb + pb * ga
+            da, db = pa + ga, pb + gb
+        h = self.halves[half]
+        h[0] += ga
+        h[1] += gb
+        self.sessions[session_key] = (da, db, half, n + 1)
+
+    def lead(self, a: int, b: int, window: int, margin: float, z: float, halves: bool = True) -> bool:
+        """`Evidence.lead` for the safe choice over the current one (the only pair kept)."""
+        assert (a, b) == self.arms and window == LONG, "the guard compares the safe choice with the current one"
+        gap = self.scores[0] - self.scores[1]
+        if gap <= margin * self.potential:
+            return False
+        m = self.moments
+        if gap <= z * math.sqrt(max(m[0] + m[1] - 2 * m[2], 0.0)):
+            return False
+        h = self.halves
+        return not halves or bool(h[0][0] > h[0][1] and h[1][0] > h[1][1])
+
+    def copy_arm(self, src: int, dst: int) -> None:
+        """`Evidence.copy_arm`; only a copy onto one of the two kept arms changes anything."""
+        if dst not in self.arms or src == dst:
+            return
+        assert src in self.arms, "only the kept arms' sums are known"
+        i, j = self.arms.index(src), self.arms.index(dst)
+        s, m, h = self.scores, self.moments, self.halves
+        s[j] = s[i]
+        for half in h:
+            half[j] = half[i]
+        m[0] = m[1] = m[2] = m[i]  # both arms now hold the same sums: every moment is arm i's own
+        self.sessions = {key: (e[i], e[i], e[2], e[3]) for key, e in self.sessions.items()}

@@ -59,7 +59,7 @@ import numpy as np
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
 from sglang_marconi.policy.eviction.flop_aware import check_alpha
-from sglang_marconi.policy.evidence import LONG, SHORT, Evidence
+from sglang_marconi.policy.evidence import LONG, SHORT, Evidence, GuardSums
 from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.radix_tree import as_token_array
 from sglang_marconi.policy.sampling import check_rate, session_in_sample
@@ -231,7 +231,7 @@ class ShadowTuner:
                                                         probation=probation, flops=self.flops))
         self.current = config.start
         self.evidence = Evidence(len(self.choices), (config.half_life, config.guard_half_life))
-        self.since = Evidence(len(self.choices), (math.inf,))  # since the last switch: what the guard judges
+        self.since = GuardSums(0)  # since the last switch: what the guard judges
         self.strikes = np.zeros(len(self.choices))  # reverts away from each choice: each raises its bar
         self._since_decision = 0
         self._since_switch = config.dwell  # sampled requests since the last switch
@@ -252,8 +252,11 @@ class ShadowTuner:
         return float(self.evidence.potential[LONG])
 
     # -- the stream --------------------------------------------------------------------------
-    def observe(self, session_key: str, input_tokens, output_tokens) -> Choice | None:
-        """One served request. Returns the newly adopted choice, or None (no switch)."""
+    def observe(self, session_key: str, input_tokens, output_tokens, *, sequence: np.ndarray | None = None
+                ) -> Choice | None:
+        """One served request. Returns the newly adopted choice, or None (no switch). `sequence`:
+        input + output already joined by the caller (a 1-D integer array it will not change), so
+        that the tuner does not join them again: the simulator's live cache joins them anyway."""
         self.log.requests += 1
         self._fed += 1
         sampled = session_in_sample(session_key, self.config.sample_rate)
@@ -264,9 +267,14 @@ class ShadowTuner:
             return None
         started = time.perf_counter()
         try:
-            inp, out = as_token_array(input_tokens), np.asarray(output_tokens, dtype=np.int64)
-            seq = np.concatenate((inp, out)) if len(out) else inp
-            match = SharedMatch(seq, len(inp), self.page_size)  # compared once for every cache below
+            if sequence is None:
+                inp, out = as_token_array(input_tokens), np.asarray(output_tokens, dtype=np.int64)
+                seq, input_len = (np.concatenate((inp, out)) if len(out) else inp), len(inp)
+            else:
+                seq, input_len = as_token_array(sequence), len(input_tokens)
+                if not 0 < input_len <= len(seq):
+                    raise MarconiError(f"input of {input_len} tokens in a sequence of {len(seq)}")
+            match = SharedMatch(seq, input_len, self.page_size)  # compared once for every cache below
             switched = self._serve_sampled(session_key, match) if sampled else None
             if verified:
                 switched = self.verifier.serve(session_key, match) or switched
@@ -426,7 +434,7 @@ class ShadowTuner:
     def _switch(self, index: int) -> Choice:
         self._since_switch = 0
         self._held[:] = 0
-        self.since = Evidence(len(self.choices), (math.inf,))
+        self.since = GuardSums(index)
         self.current = self.choices[index]
         self.log.decisions.append((self.log.requests, self.current))
         return self.current

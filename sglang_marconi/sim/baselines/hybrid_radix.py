@@ -7,6 +7,8 @@ or a choice tuned online by shadow caches (`policy/shadow_tuner.py`).
 
 from __future__ import annotations
 
+import numpy as np
+
 from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction
 from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.shadow_tuner import ShadowConfig, ShadowTuner, adopt_choice, eviction_for
@@ -29,10 +31,15 @@ class HybridRadixPolicy:
         self.history = [(0, getattr(eviction, "alpha", 0.0), eviction.name)]  # (request index, alpha, policy)
 
     def serve(self, request: Request) -> Outcome:
-        lookup, admitted = self.cache.serve(request.input_tokens, request.output_tokens)
+        # HybridPrefixCache.serve, with the joined sequence kept for the tuner (joining a long
+        # request costs about as much as caching it)
+        cache, inp = self.cache, request.input_tokens
+        lookup = cache.lookup(inp)
+        seq = np.concatenate((inp, np.asarray(request.output_tokens, dtype=np.int64)))
+        admitted = cache.admit(seq, lookup.checkpoint_at, len(inp) if cache.probation else None)
         self.served += 1
         if self.tuner is not None:
-            choice = self.tuner.observe(request.session_id, request.input_tokens, request.output_tokens)
+            choice = self.tuner.observe(request.session_id, inp, request.output_tokens, sequence=seq)
             if choice is not None:
                 adopt_choice(self.cache, choice)
                 e = self.cache.eviction

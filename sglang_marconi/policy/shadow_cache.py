@@ -189,14 +189,14 @@ class ShadowCache:
             return walk
         return path, partial, n_in - partial.start, n_in
 
-    def _new_node(self, parent: ShadowNode, src: np.ndarray, start: int, end: int) -> ShadowNode:
-        node = ShadowNode(parent, self._key_at(src, start), src, start, end, self._next_id)
+    def _new_node(self, parent: ShadowNode, key, src: np.ndarray, start: int, end: int) -> ShadowNode:
+        node = ShadowNode(parent, key, src, start, end, self._next_id)
         self._next_id += 1
         return node
 
     def _tree_split(self, child: ShadowNode, k: int) -> ShadowNode:
         parent = child.parent
-        head = self._new_node(parent, child.src, child.start, child.start + k)
+        head = self._new_node(parent, child.key, child.src, child.start, child.start + k)
         head.last_access = child.last_access
         head.lock_count = child.lock_count
         parent.children[head.key] = head
@@ -206,9 +206,9 @@ class ShadowCache:
         head.children[child.key] = child
         return head
 
-    def _tree_add_leaf(self, parent: ShadowNode, src: np.ndarray, start: int, end: int) -> ShadowNode:
-        leaf = self._new_node(parent, src, start, end)
-        parent.children[leaf.key] = leaf
+    def _tree_add_leaf(self, parent: ShadowNode, key, src: np.ndarray, start: int, end: int) -> ShadowNode:
+        leaf = self._new_node(parent, key, src, start, end)
+        parent.children[key] = leaf
         return leaf
 
     def _tree_merge_into_child(self, node: ShadowNode) -> ShadowNode:
@@ -283,7 +283,10 @@ class ShadowCache:
         positions = [] if self.attention_only else [n]
         if positions and checkpoint_at is not None and 0 < checkpoint_at < n and checkpoint_at % page == 0:
             positions.insert(0, int(checkpoint_at))
-        new_states = sum(1 for p in positions if not self._state_on(path, p))
+        new_states = 0
+        for pos in positions:
+            if not self._state_on(path, pos):
+                new_states += 1
         deepest = partial or (path[-1] if path else None)
         if deepest is not None:
             self.lock(deepest)
@@ -297,7 +300,7 @@ class ShadowCache:
                 attach = self._split(partial, partial_len) if partial else (path[-1] if path else self.root)
                 if partial:
                     spine.append(attach)
-                spine.append(self._add_leaf(attach, seq, overlap, n))
+                spine.append(self._add_leaf(attach, match, overlap, n))
             elif partial:
                 spine.append(partial)
             admitted = 0
@@ -471,8 +474,9 @@ class ShadowCache:
         self._refresh(child)
         return head
 
-    def _add_leaf(self, parent: ShadowNode, src: np.ndarray, start: int, end: int) -> ShadowNode:
-        leaf = self._tree_add_leaf(parent, src, start, end)
+    def _add_leaf(self, parent: ShadowNode, match: SharedMatch, start: int, end: int) -> ShadowNode:
+        """A leaf holding match.seq[start:end] (its key is the request's, shared by every shadow)."""
+        leaf = self._tree_add_leaf(parent, match.key(start), match.seq, start, end)
         self.kv_tokens += end - start
         leaf.last_access = self.clock
         self._refresh(leaf)
@@ -548,7 +552,7 @@ class ShadowCache:
         for parent_idx, src, start, end, state, stamp in zip(snap.parents, snap.srcs, snap.starts, snap.ends,
                                                               snap.has_state, snap.last_access):
             parent = root if parent_idx < 0 else built[parent_idx]
-            node = cache._tree_add_leaf(parent, src, start, end)
+            node = cache._tree_add_leaf(parent, cache._key_at(src, start), src, start, end)
             node.has_state, node.last_access = state, stamp
             cache.kv_tokens += end - start
             cache.ssm_states += state

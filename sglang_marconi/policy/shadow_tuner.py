@@ -674,8 +674,8 @@ class _SharedShadow(ShadowCache):
         self.path_clock += 1.0
         self.path_access[node.id] = self.path_clock
 
-    def _add_leaf(self, parent: ShadowNode, src: np.ndarray, start: int, end: int) -> ShadowNode:
-        leaf = super()._add_leaf(parent, src, start, end)
+    def _add_leaf(self, parent: ShadowNode, match: SharedMatch, start: int, end: int) -> ShadowNode:
+        leaf = super()._add_leaf(parent, match, start, end)
         self.path_access[leaf.id] = self.path_clock
         return leaf
 

@@ -13,6 +13,7 @@ from toy_profile import ToyProfile
 
 from sglang_marconi.policy import shadow_tuner
 from sglang_marconi.policy.model_profile import load_profile
+from sglang_marconi.policy.sampling import session_in_sample
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,16 @@ def assert_same_tuners(new, ref, where):
         assert_same_evidence(evidence_state(nv.evidence), evidence_state(rv.evidence), f"{where} verifier")
 
 
-def run_both(profile, capacity, config, stream, check_every=50, **kwargs):
+def run_both(profile, capacity, config, stream, check_every=50, sampled_only_after=None, **kwargs):
+    """`sampled_only_after`: from that request on, pass only sampled requests and count the others
+    (as the server's background tuner does): the verifier steps aside mid-stream."""
     new = shadow_tuner.ShadowTuner(profile, capacity, config, **kwargs)
     ref = reference.ShadowTuner(profile, capacity, reference.ShadowConfig(**config.__dict__), **kwargs)
     for i, (sid, inp, out) in enumerate(stream):
+        if sampled_only_after is not None and i >= sampled_only_after and not session_in_sample(sid, config.sample_rate):
+            new.log.requests += 1
+            ref.log.requests += 1
+            continue
         got, want = new.observe(sid, inp, out), ref.observe(sid, inp, out)
         assert got == want, f"request {i}: switched to {got!r}, the reference to {want!r}"
         if i % check_every == 0:
@@ -148,6 +155,14 @@ CASES = {
 def test_same_decisions_as_the_reference(case):
     profile, capacity, config, stream, kwargs = CASES[case]
     run_both(profile, capacity, config, stream(), **kwargs)
+
+
+def test_same_decisions_when_the_verifier_steps_aside_after_adopting():
+    # the verifier adopts seglen:100 at request ~150 (see the case above); from 300 on the caller
+    # passes only sampled requests, so the guard takes over with the sums since that switch
+    config = replace(BASE, sample_rate=0.3, **FAST)
+    tuner = run_both(TOY, 1500, config, streams.revisits(700, 9), sampled_only_after=300)
+    assert tuner.verifier is None and len(tuner.log.decisions) > 1
 
 
 def test_same_decisions_on_a_real_profile():

@@ -138,6 +138,9 @@ class ShadowCache:
         # The three policies choose candidates.lowest(alpha) (LRU: alpha 0); asked directly, saving a
         # call per eviction. Any other policy (the shared shadow's) is asked through `choose`.
         self._alpha = getattr(eviction, "alpha", 0.0) if type(eviction).choose in _CHOOSE_LOWEST else None
+        # At alpha 0 (LRU, FLOP-aware at 0) the second column ranks nothing and is never read (a copy
+        # under another choice recomputes it): it is not computed.
+        self._ranks_by_value = bool(self._alpha)
 
     # -- accounting ----------------------------------------------------------------------------
     @property
@@ -502,7 +505,7 @@ class ShadowCache:
         children = len(node.children)
         if not node.lock_count and node.parent is not None and (
                 children == 0 or (children == 1 and node.has_state and self._evicts_single_child)):
-            if not (node.has_state or self.attention_only):
+            if not (self._ranks_by_value and (node.has_state or self.attention_only)):
                 value = 0.0
             elif self._by_length:
                 value = float(node.end - node.parent.end)

@@ -53,6 +53,7 @@ class Evidence:
                                           np.repeat(decay * decay, k * k)))
         self.sessions: dict[str, tuple[np.ndarray, int, int, int]] = {}  # key -> (D (2, k), t, half, requests)
         self.t = 0
+        self._decays: dict[int, np.ndarray] = {}
 
     def add(self, session_key: str, gains: np.ndarray, whole: float) -> None:
         """One request's gains per arm (and what it could have saved at most). Each value gets the
@@ -64,21 +65,30 @@ class Evidence:
         self.potential += whole
         entry = self.sessions.get(session_key)
         n = 0 if entry is None else entry[3]
-        self.moments += gains[:, None] * gains  # the outer product
+        self.moments += np.multiply.outer(gains, gains)
         if n % self.block == 0:  # a new cluster: the session's next block of requests
             half = int(session_in_sample(f"{session_key}\0{n // self.block}", 0.5, salt=1))
             total = np.empty_like(self.scores)
             total[:] = gains
         else:
             stored, t_s, half, _ = entry
-            prior = stored * (self.decay ** (self.t - t_s))[:, None]  # the cluster's sums, decayed to now
-            cross = prior[:, :, None] * gains
+            prior = stored * self._decay_over(self.t - t_s)  # the cluster's sums, decayed to now
+            cross = np.multiply.outer(prior, gains)
             self.moments += cross + cross.transpose(0, 2, 1)
             total = prior + gains
         self.halves[:, half] += gains
         self.sessions[session_key] = (total, self.t, half, n + 1)
         if self.t % self._PRUNE_EVERY == 0:
             self._prune()
+
+    def _decay_over(self, requests: int) -> np.ndarray:
+        """(decay ** requests) as a column, remembered: sessions come back at recurring gaps."""
+        column = self._decays.get(requests)
+        if column is None:
+            if len(self._decays) > 4096:
+                self._decays.clear()
+            column = self._decays[requests] = (self.decay ** requests)[:, None]
+        return column
 
     def _prune(self) -> None:
         # a session idle for ~13 long half-lives weighs < 1e-4 of its prime: forget it (its share of

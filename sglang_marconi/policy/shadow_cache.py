@@ -419,7 +419,8 @@ class ShadowCache:
             parent = node.parent
             if node.lock_count == 0:
                 self._refresh(node)
-                self._compress(node)
+                if not node.has_state and len(node.children) == 1:  # what `_compress` checks
+                    self._compress(node)
             node = parent
 
     # -- eviction --------------------------------------------------------------------------------

@@ -2,15 +2,20 @@
 that reference the admitting request's tokens instead of holding copies of them.
 
 Every decision the tuner makes rests on these caches behaving exactly like the live cache would with
-the same choice (`tests/test_shadow_equivalence.py` holds them to it), so this module transcribes
-`HybridPrefixCache` operation by operation: the same nodes, the same candidate-index slots in the same
-order, the same clock. What differs is only what the work costs:
+the same choice, so this module transcribes `HybridPrefixCache` operation by operation: the same
+nodes, the same candidate-index slots in the same order (a near-tie goes where the reference's
+arithmetic sends it), the same clock (`tests/test_shadow_cache.py` compares them on random streams,
+`tests/test_shadow_equivalence.py` the tuner built on them with the original tuner). What differs is
+only what the work costs, which the tuner pays once per candidate choice:
 
 - An edge is (src, start, end): the tokens src[start:end] of the request that admitted them, whose
   own prefix src[:start] is the path above. Splitting moves `start`, merging a node into its child
   moves the child's `start` back (the child's source holds the whole path): no token is copied.
 - Matching goes through the request's `SharedMatch`, which compares the request with each source
   once for all shadows (`policy/shared_match.py`); a walk is then dict lookups.
+- One walk per request: `lookup` walks the whole sequence and leaves the walk to `admit` (the
+  lookup's walk of the input is its prefix); the admitted states are found on the admitted path,
+  not by walking again.
 - FLOPs of a span come from a table shared by the tuner's caches; the candidate index is
   `SmallCandidateIndex` (same slots, cheaper operations, the reference's victim).
 - The tuner calls `lookup` and `admit` with the request's `SharedMatch` (no validation: the tuner
@@ -126,11 +131,7 @@ class ShadowCache:
         self.probation = probation
         self._probation: dict[int, ShadowNode] = {}
         self._walked = None  # (match, walk) that lookup leaves for admit
-        self.set_eviction(eviction)
-
-    def set_eviction(self, eviction: EvictionPolicy) -> None:
-        """Only for a cache without candidates yet (a shadow's choice is fixed for its life)."""
-        assert not len(self.index), "a shadow's eviction is set before it holds anything"
+        # A shadow's choice is fixed for its life (a copy under another choice is another cache).
         self.eviction = eviction
         self._evicts_single_child = eviction.evicts_single_child_nodes
         self._refresh_path = eviction.refresh_matched_path

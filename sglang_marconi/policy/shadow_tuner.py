@@ -41,6 +41,12 @@ shadow cache per candidate choice, all kept running on the same sample of sessio
   cache's stand-in, is guarded against the anchor. A caller that passes only sampled requests
   (the server at rate < 1) gets the sampled rule alone.
 
+Cost: every cache the tuner runs (shared shadow, shadows, miniatures, the verifier's) is a
+`ShadowCache` (`policy/shadow_cache.py`): `HybridPrefixCache`'s admission and eviction step for
+step, on edges that reference the requests' own tokens; a request's tokens are compared with each
+earlier request once for all of them (`SharedMatch`). The guard's since-switch sums are kept for the
+two arms it compares only (`GuardSums`), and not at all while the safe choice is current.
+
 The tuner never touches the live cache: `observe()` returns the new choice when it switches and
 the caller adopts it (`adopt_choice` for the policy core's cache, the serving runtime for
 SGLang's). Decisions depend only on the stream of (session, input, output), so the simulator

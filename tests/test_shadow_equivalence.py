@@ -1,7 +1,10 @@
 """The restructured shadows decide exactly what the original ones did: the package's tuner and the
 frozen reference (`reference_shadow_tuner.py`: every shadow a plain `HybridPrefixCache`) are fed
-the same streams and must return the same choice at every request and end with bit-identical
-evidence (scores, potentials, clustered moments, halves), logs and shadow contents."""
+the same streams (contention, branches, probation, two budgets, pages and a checkpoint grid, an
+attention-only model, sampling with and without the verifier, pruning and revival, the prior, the
+guard) and must return the same choice at every request, and hold bit-identical evidence (scores,
+potentials, clustered moments, halves, sessions), since-switch sums (while the guard may read them),
+logs, verifier state and shadow contents (bytes, states, clocks, eviction counts) every 50 requests."""
 
 from dataclasses import dataclass, replace
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from shadow_streams import contended_requests, conversations, misleading_sample, revisits, shift_to_recency
 from toy_profile import ToyProfile
 
 from sglang_marconi.policy.errors import MarconiError
@@ -15,32 +16,6 @@ from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.shadow_tuner import (
     LRU, Evidence, ShadowConfig, ShadowTuner, adopt_choice, choice_label, eviction_for, parse_alpha_grid,
 )
-
-
-def contended_requests(n, seed=0):
-    """One long valuable prefix revisited rarely, many short one-off requests in between."""
-    rng = np.random.default_rng(seed)
-    long_prefix = np.arange(10_000, 10_300)
-    for i in range(n):
-        if i % 7 == 0:
-            yield f"long-{i % 3}", np.concatenate((long_prefix, rng.integers(0, 50, 5))), np.array([1, 2])
-        else:
-            yield f"short-{i}", rng.integers(100, 10_000, size=int(rng.integers(20, 60))), np.array([3])
-
-
-def conversations(n, sessions=12, seed=1):
-    """Multi-turn sessions over a shared prompt: branches, splits and single-child evictions."""
-    rng = np.random.default_rng(seed)
-    prompt = np.arange(50_000, 50_040)
-    history = {s: np.concatenate((prompt, rng.integers(0, 500, 10))) for s in range(sessions)}
-    for _ in range(n):
-        s = int(rng.integers(sessions))
-        inp = np.concatenate((history[s], rng.integers(0, 500, int(rng.integers(1, 30)))))
-        out = rng.integers(0, 500, int(rng.integers(1, 8)))
-        history[s] = np.concatenate((inp, out))
-        if len(history[s]) > 400:  # a session ends; a new one starts from the prompt
-            history[s] = np.concatenate((prompt, rng.integers(0, 500, 10)))
-        yield f"s{s}", inp, out
 
 
 @pytest.mark.parametrize("capacity", [700, 2_000])
@@ -234,38 +209,6 @@ def test_switching_choices_mid_stream_keeps_invariants(toy_profile, reqs, capaci
 
 # -- the decision rule on traffic made to mislead it ----------------------------------------------
 
-def _session_ids(inside: bool, rate: float, prefix: str):
-    """Endless session ids that the tuner's hash sample at `rate` keeps (inside) or drops."""
-    from sglang_marconi.policy.sampling import session_in_sample
-
-    i = 0
-    while True:
-        sid, i = f"{prefix}{i}", i + 1
-        if session_in_sample(sid, rate) == inside:
-            yield sid
-
-
-def misleading_sample(n, rate, seed=0):
-    """A quarter of the traffic, exactly the sessions the tuner's sample keeps, revisits a long prefix
-    among one-off requests (value-first eviction wins there); the rest, which the sample never sees,
-    are long one-shot documents and short questions on three shared prompts (recency wins)."""
-    rng = np.random.default_rng(seed)
-    inside, outside = _session_ids(True, rate, "s"), _session_ids(False, rate, "o")
-    long_prefix = np.arange(10_000, 10_120)
-    prompts = [np.arange(20_000 + 1000 * k, 20_040 + 1000 * k) for k in range(3)]
-    for i in range(n):
-        if i % 4 == 0:
-            if i % 16 == 0:
-                yield next(inside), np.concatenate((long_prefix, rng.integers(0, 50, 5))), np.array([1])
-            else:
-                yield next(inside), rng.integers(100, 10_000, size=int(rng.integers(20, 60))), np.array([3])
-        elif i % 4 == 1:
-            yield next(outside), rng.integers(10**6, 2 * 10**6, size=int(rng.integers(150, 300))), np.array([5])
-        else:
-            yield next(outside), np.concatenate((prompts[int(rng.integers(3))], rng.integers(3 * 10**6, 4 * 10**6, 8))), \
-                np.array([7])
-
-
 def live_and_lru(requests, capacity, config):
     """Hit tokens of a live cache that adopts the tuner's choices and of SGLang's LRU, same stream."""
     toy = ToyProfile()
@@ -306,20 +249,6 @@ def test_the_verifier_steps_aside_when_the_caller_passes_only_sampled_requests(t
     assert tuner.verifier is None and tuner.log.requests == 200
 
 
-def shift_to_recency(n_each, seed=0):
-    """contended_requests (value-first wins), then questions on shared prompts among long
-    one-shot documents (recency wins)."""
-    yield from contended_requests(n_each, seed)
-    rng = np.random.default_rng(seed + 1)
-    prompts = [np.arange(20_000 + 1000 * k, 20_040 + 1000 * k) for k in range(3)]
-    for i in range(n_each):
-        if i % 3 == 0:
-            yield f"doc-{i}", rng.integers(10**6, 2 * 10**6, size=int(rng.integers(150, 300))), np.array([5])
-        else:
-            yield f"q-{i}", np.concatenate((prompts[int(rng.integers(3))], rng.integers(3 * 10**6, 4 * 10**6, 8))), \
-                np.array([7])
-
-
 def test_the_guard_abandons_a_choice_that_starts_losing_to_lru():
     config = ShadowConfig(alpha_grid=(0.0, 5.0), seglen_weights=(100.0,), objective="token_hit_rate")
     hits, tuner = live_and_lru(list(shift_to_recency(800)), 500, config)
@@ -328,18 +257,6 @@ def test_the_guard_abandons_a_choice_that_starts_losing_to_lru():
     assert tuner.log.reverts >= 1 and later and later[-1][0] > 800 and tuner.current == LRU  # abandoned after
     assert tuner.strikes[tuner.choices.index(value_first)] >= 1  # and its bar raised
     assert hits["live"] >= hits["lru"]
-
-
-def revisits(n, every, seed=0):
-    """A 300-token prefix revisited every `every` requests (and right away once: the second visit
-    checkpoints its branch, the third hits), one-off requests of 50-100 tokens between."""
-    rng = np.random.default_rng(seed)
-    prefix = np.arange(10_000, 10_300)
-    for i in range(n):
-        if i % every == 0 or i == 1:
-            yield f"long-{i}", np.concatenate((prefix, rng.integers(0, 50, 5))), np.array([1, 2])
-        else:
-            yield f"short-{i}", rng.integers(100, 10_000, size=int(rng.integers(50, 100))), np.array([3])
 
 
 def test_miniatures_pick_the_choice_adopted_at_the_fork(toy):

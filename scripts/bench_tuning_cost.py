@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cells = args.cells.split(",") if args.cells else QUICK + ([] if args.quick else DEMO)
     print("| cell | requests | sample rate | fixed s (CPU / wall) | tuned before s | tuned after s "
-          "| before / fixed (CPU / wall) | after / fixed (CPU / wall) | <= 2x | choices |\n"
+          "| before / fixed (CPU / wall) | after / fixed (CPU / wall) | after <= 2x (CPU) | choices |\n"
           "|---|---|---|---|---|---|---|---|---|---|")
     misses = []
     for spec in cells:
@@ -117,12 +117,12 @@ def main(argv=None) -> int:
             continue
         r = cell(name, float(gb), args.repeat)
         f, b, a = r["fixed"], r["before"], r["after"]
-        ok = a[1] / f[1] <= 2.0
+        ok = a[0] / f[0] <= 2.0  # CPU: the ratio other jobs on a shared machine do not distort
         misses += [] if ok else [r["cell"]]
         print(f"| {r['cell']} | {r['requests']} | {r['rate']:.2g} | {f[0]:.3f} / {f[1]:.3f} | {b[0]:.3f} / {b[1]:.3f} "
               f"| {a[0]:.3f} / {a[1]:.3f} | {b[0] / f[0]:.1f}x / {b[1] / f[1]:.1f}x | {a[0] / f[0]:.1f}x / {a[1] / f[1]:.1f}x "
               f"| {'yes' if ok else 'NO'} | {r['choices']} |", flush=True)
-    print(f"\ntuned/fixed wall <= 2x: {len(cells) - len(misses)} of {len(cells)} cells"
+    print(f"\ntuned/fixed CPU <= 2x: {len(cells) - len(misses)} of {len(cells)} cells"
           + (f" (missed: {', '.join(misses)})" if misses else ""))
     return 0
 

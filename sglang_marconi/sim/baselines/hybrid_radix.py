@@ -31,8 +31,8 @@ class HybridRadixPolicy:
         self.history = [(0, getattr(eviction, "alpha", 0.0), eviction.name)]  # (request index, alpha, policy)
 
     def serve(self, request: Request) -> Outcome:
-        # HybridPrefixCache.serve, with the joined sequence kept for the tuner (joining a long
-        # request costs about as much as caching it)
+        # HybridPrefixCache.serve, keeping the joined input + output for the tuner: it would
+        # otherwise copy a long request's tokens a second time
         cache, inp = self.cache, request.input_tokens
         lookup = cache.lookup(inp)
         seq = np.concatenate((inp, np.asarray(request.output_tokens, dtype=np.int64)))

@@ -8,7 +8,7 @@ Per cell (a workload at a capacity, paper-7b, the automatic sample rate as `benc
 the fixed-choice replay is the median over the tuner's candidate choices of a replay with that choice
 fixed (`bench_policies.py`'s baseline); each replay is timed `--repeat` times, rounds interleaved, and
 the least time counts (CPU seconds of this process, and wall seconds). Both tuners must make the
-same decisions (checked: the same choices at the same requests).
+same decisions (checked: the same choices at the same requests, and bit-identical evidence at the end).
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ def cell(name: str, capacity_gb: float, repeat: int) -> dict:
         if old:
             policy.tuner = ReferenceTuner(reference.ShadowTuner(profile, cap, reference.ShadowConfig(**config.__dict__)))
         run = replay(workload, policy, profile, cap, progress=False)
-        return run.choice_history()
+        tuner = policy.tuner.tuner if old else policy.tuner
+        ev = tuner.evidence
+        return run.choice_history(), [getattr(ev, f).tolist() for f in ("scores", "potential", "moments", "halves")]
 
     best: dict[str, list[float]] = {}
     histories = {}
@@ -92,6 +94,7 @@ def cell(name: str, capacity_gb: float, repeat: int) -> dict:
             if label.startswith("tuned"):
                 histories[label] = result
     assert histories["tuned"] == histories["tuned before"], f"{name}@{capacity_gb}: the tuners decided differently"
+    histories = {label: history for label, (history, _) in histories.items()}
     fixed_cpu = statistics.median(v[0] for k, v in best.items() if k.startswith("fixed"))
     fixed_wall = statistics.median(v[1] for k, v in best.items() if k.startswith("fixed"))
     return {"cell": f"{name} @ {capacity_gb:g} GB", "requests": len(workload), "rate": config.sample_rate,

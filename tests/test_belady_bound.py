@@ -149,25 +149,23 @@ def test_dual_search_reaches_the_exact_lp_optimum():
     assert -lp.fun - 1e-6 <= bound <= -lp.fun * 1.002  # weak duality, and the search converged
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), sessions=st.integers(2, 6), capacity=st.integers(60, 400),
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), sessions=st.integers(2, 6), capacity=st.integers(20, 200),
        probation=st.booleans())
 def test_bound_covers_every_policy_on_random_small_traces(seed, sessions, capacity, probation):
-    """Short sessions over a tiny vocabulary, so that prefixes collide and branch in every way."""
+    """Sessions over a 3-token vocabulary, so that prefixes collide and branch in every way, at
+    capacities where admissions are skipped and inner states evicted."""
     rng = np.random.default_rng(seed)
     reqs, history = [], {}
     for i in range(sessions * 3):
         s = int(rng.integers(sessions))
-        base = history.get(s, [int(x) for x in rng.integers(0, 3, size=int(rng.integers(1, 6)))])
-        inp = base + [int(x) for x in rng.integers(0, 3, size=int(rng.integers(1, 8)))]
-        out = [int(x) for x in rng.integers(0, 3, size=int(rng.integers(0, 4)))]
+        base = history.get(s, [int(x) for x in rng.integers(0, 3, size=int(rng.integers(1, 12)))])
+        inp = base + [int(x) for x in rng.integers(0, 3, size=int(rng.integers(1, 12)))]
+        out = [int(x) for x in rng.integers(0, 3, size=int(rng.integers(0, 6)))]
         history[s] = inp + out if rng.random() < 0.8 else base
         reqs.append(request(str(s), i, inp, out))
     w = ListWorkload("random", reqs)
-    try:
-        opt = BeladyBound(w, TOY, probation=probation).run(capacity)
-    except MarconiError:
-        return
+    opt = BeladyBound(w, TOY, probation=probation).run(capacity)
     for name, run in fixed_runs(w, TOY, capacity, probation=probation).items():
         assert opt.hit_tokens >= run.hit_tokens, name
         assert opt.flops_saved >= run.flops_saved * (1 - 1e-9) - 1e-6, name

@@ -45,7 +45,7 @@ class HitOptions:
 
     input_tokens: np.ndarray  # per request
     sequence_tokens: np.ndarray  # per request: input + output
-    admitted_bytes_at_most: np.ndarray  # per request: its sequence's KV + every state its path could hold
+    admitted_bytes_at_most: np.ndarray  # per request: the most its admission can need the cache to hold at once
     kv_bytes_per_token: int
     ssm_state_bytes: int
     piece_request: np.ndarray  # per piece: the request that needs it
@@ -75,18 +75,33 @@ class HitOptions:
 
 
 class _Timeline:
-    """Per tree node: the latest request that passed through its edge, and the latest that could
-    have left a state at its end (keyed by node id; a split's tail keeps its id and its end)."""
+    """Per tree node: the latest request that passed through its edge, the latest that could have
+    left a state at its end, and the end of the longest sequence through it (keyed by node id; a
+    split's tail keeps its id and its end)."""
 
     def __init__(self):
         self.tree = RadixTree()
         self.passed: dict[int, int] = {}
         self.state: dict[int, int] = {}
+        self.deepest: dict[int, int] = {}
 
     def split(self, node: Node, k: int) -> Node:
         head = self.tree.split(node, k)
-        self.passed[head.id] = self.passed[node.id]  # every sequence through the tail went through the head
+        # every sequence through the tail went through the head
+        self.passed[head.id], self.deepest[head.id] = self.passed[node.id], self.deepest[node.id]
         return head  # no state was ever left at the new boundary
+
+    def lockable_tail(self, seq: np.ndarray) -> int:
+        """Tokens beyond where `seq` leaves a cache's tree that the cache may lock with it: an
+        admission locks the whole edge it leaves mid-way, an earlier sequence's tail. A cache's
+        tree holds prefixes of earlier sequences, so it leaves an edge where an earlier sequence
+        diverges from `seq`: at a boundary of this tree along `seq`, or where `seq` leaves this tree;
+        the tail runs at most to the end of the longest sequence through there."""
+        walk = self.tree.walk(seq)
+        tails = [self.deepest[x.id] - x.end for x in walk.path]
+        if walk.partial is not None:
+            tails.append(self.deepest[walk.partial.id] - walk.overlap)
+        return max(tails, default=0)
 
     def node_at(self, seq: np.ndarray, pos: int) -> Node:
         walk = self.tree.walk(seq[:pos])
@@ -97,10 +112,12 @@ class _Timeline:
         # a boundary where the sequence stops or leaves an edge: each edge is passed through whole or not at all
         parent = self.split(walk.partial, walk.partial_len) if walk.partial else (walk.last or self.tree.root)
         if walk.overlap < len(seq):
-            self.passed[self.tree.add_leaf(parent, seq[walk.overlap:]).id] = index
+            leaf = self.tree.add_leaf(parent, seq[walk.overlap:])
+            self.passed[leaf.id], self.deepest[leaf.id] = index, len(seq)
         node = self.tree.walk(seq).last
         while node is not self.tree.root:
             self.passed[node.id] = index
+            self.deepest[node.id] = max(self.deepest[node.id], len(seq))
             node = node.parent
 
 
@@ -141,12 +158,14 @@ def hit_options(workload: Workload, profile, *, checkpoint_grid: int = 1, probat
         produced = {b - b % grid for b in boundaries} | {len(seq)}
         if probation:
             produced.add(n_in)
+        tail = line.lockable_tail(seq)
         line.insert(seq, r)
         for pos in produced:
             if pos > 0:
                 line.state[line.node_at(seq, pos).id] = r
-        # the cache's states on this path sit at boundaries of this tree: at most one per node
-        worst.append(kv * len(seq) + ssm * len(line.tree.walk(seq).path))
+        # What admitting r can need room beside: its path's KV and states (the cache's states sit at
+        # boundaries of this tree, at most one per node), and a locked tail with its state.
+        worst.append(kv * (len(seq) + tail) + ssm * (len(line.tree.walk(seq).path) + (tail > 0)))
     as_int = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
     return HitOptions(
         input_tokens=as_int(inputs), sequence_tokens=as_int(sequences), admitted_bytes_at_most=as_int(worst),

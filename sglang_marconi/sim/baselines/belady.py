@@ -53,7 +53,7 @@ class BeladyBound:
     """The bound for one workload at any capacity (the trace pass is done once)."""
 
     def __init__(self, workload: Workload, profile, *, checkpoint_grid: int = 1, probation: bool = False,
-                 limit: int | None = None, time_limit_s: float = 120.0):
+                 limit: int | None = None, time_limit_s: float = 600.0):
         if getattr(profile, "has_sliding_window", False):
             raise MarconiError(f"{BELADY} does not model sliding-window layers ({profile.name})")
         self.workload, self.profile, self.time_limit_s = workload, profile, time_limit_s

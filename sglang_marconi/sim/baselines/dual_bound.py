@@ -92,10 +92,12 @@ class DualBound:
         return f, grad - np.cumsum(load)[: self.n]
 
 
-def minimize(bound: DualBound, *, scale: float, time_limit_s: float = 120.0, max_iter: int = 3000,
+def minimize(bound: DualBound, *, scale: float, time_limit_s: float = 600.0, max_iter: int = 3000,
              taus: tuple[float, ...] = (1e-2, 1e-3)) -> tuple[np.ndarray, float]:
     """Prices mu >= 0 with a low D(mu), and D there. `scale`: a typical option value (the
-    smoothing temperatures are relative to it). Any mu is a valid bound; this only tightens it."""
+    smoothing temperatures are relative to it). Any mu is a valid bound; this only tightens it.
+    The iteration cap decides where the search stops (so the bound does not depend on how busy
+    the machine is); the time limit is only a safety net."""
     mu = np.zeros(bound.n)
     best_mu, best = mu, bound.value(mu)
     deadline = time.perf_counter() + time_limit_s

@@ -13,7 +13,8 @@ Dual: with a price mu_t >= 0 per arrival (per capacity of bytes held then),
 where cost_o(mu) = sum of (bytes / C) x (the prices over the arrivals the option's items are
 held and not already counted in the forced B). Weak duality: D(mu) >= the value of every
 feasible schedule, for every mu >= 0 (see `belady.py` for the argument). We minimize a smoothed
-D (log-sum-exp in place of each max, an upper bound of D itself) by projected L-BFGS, then report the exact D at the point reached.
+D (log-sum-exp in place of each max, an upper bound of D itself) by projected L-BFGS, then report
+the exact D at the point reached.
 """
 
 from __future__ import annotations

@@ -42,10 +42,11 @@ def headroom_summary(rows: list[dict], label: str) -> list[str]:
     lines = []
     if contended:
         worst = min(contended, key=lambda sr: sr[0])
+        median = statistics.median(s for s, _ in contended)
         lines.append(
-            f"{label}: tuned closes >= {100 * CLOSE_TARGET:.0f}% of the LRU-to-bound gap: {len(met)} of {len(contended)} "
-            f"contended cells (bound >= SGLang+ + {CONTENDED_POINTS:g} pt; median {format_share(statistics.median(s for s, _ in contended))}, "
-            f"worst {format_share(worst[0])} at {name(worst[1])}) [target: all]")
+            f"{label}: tuned closes >= {100 * CLOSE_TARGET:.0f}% of the LRU-to-bound gap: {len(met)} of "
+            f"{len(contended)} contended cells (bound >= SGLang+ + {CONTENDED_POINTS:g} pt; median "
+            f"{format_share(median)}, worst {format_share(worst[0])} at {name(worst[1])}) [target: all]")
     else:
         lines.append(f"{label}: no contended cell (bound within {CONTENDED_POINTS:g} pt of SGLang+ everywhere)")
     deltas = [(100 * (r["tuned"] - r["coverage"]), r) for r in rows]

@@ -5,13 +5,17 @@ JSON and a PNG per workload to --out.
     python scripts/bench_policies.py [--out out/bench] [--quick] [--only swe-agent,mooncake,...]
     python scripts/bench_policies.py --suite dev|held-out|all [--quick]   # the robustness suite
 
-Per cell: vLLM+, SGLang+, Marconi tuned online by shadow caches (`marconi`) and the best fixed
-choice in hindsight (`marconi-best`: every candidate replayed over the whole trace). Targets
+Per cell: vLLM+, SGLang+, coverage (SGLang PR #38000's eviction rule), Marconi tuned online by
+shadow caches (`marconi`), the best fixed choice in hindsight (`marconi-best`: every candidate
+replayed over the whole trace) and `belady`, an offline upper bound on any eviction under
+Marconi's admission, with the share of the LRU-to-bound gap tuned Marconi closes
+(`sim/headroom.py`; "n/a" where the bound is within 1 point of SGLang+). Targets
 checked per cell (reported, never asserted): tuned >= best - 1 point of token hit rate, tuned >=
 SGLang+ - 0.5 points, tuned FLOPs saved >= SGLang+'s; and the tuning cost: the tuned replay's wall
 time over a fixed-choice replay's (the median of the best-in-hindsight candidates' replays, all
 in the same process; the tuned replay runs twice, before and after them, and the faster counts)
-<= 2x.
+<= 2x; tuned closes >= 25% of the LRU-to-bound gap in contended cells; tuned >= coverage - 0.5 points.
+The sliding-window tables have neither coverage nor the bound (neither models windows).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from pathlib import Path
 from sglang_marconi.policy.model_profile import load_profile, paper_hybrid_profile
 from sglang_marconi.policy.shadow_tuner import ShadowConfig, choice_label, eviction_for
 from sglang_marconi.sim import robustness
+from sglang_marconi.sim.baselines.belady import BeladyBound
 from sglang_marconi.sim.baselines.hybrid_radix import HybridRadixPolicy
+from sglang_marconi.sim.headroom import format_share, gap_closed, headroom_summary
 from sglang_marconi.sim.hindsight import replay_best
 from sglang_marconi.sim.plot import plot_runs
 from sglang_marconi.sim.policies import build_policy
@@ -58,12 +64,15 @@ def cell_row(name, capacity_gb, runs, wall_ratio) -> dict:
     return {"group": "bench", "workload": name, "capacity_gb": capacity_gb, "tuned": m.token_hit_rate,
             "sglang+": lru.token_hit_rate, "best": b.token_hit_rate, "flops_tuned": m.flops_saved,
             "flops_sglang+": lru.flops_saved, "flops_best": b.flops_saved, "flops_total": m.flops_total,
-            "wall_ratio": wall_ratio}
+            "wall_ratio": wall_ratio, "coverage": runs["coverage"].token_hit_rate,
+            "belady": runs["belady"].token_hit_rate}
 
 
-def run_cell(workload, profile, capacity_gb):
+def run_cell(workload, profile, capacity_gb, bound: BeladyBound):
     cap = int(capacity_gb * 1e9)
-    runs = {p: replay(workload, build_policy(p, profile, cap), profile, cap, progress=False) for p in ("vllm+", "sglang+")}
+    runs = {p: replay(workload, build_policy(p, profile, cap), profile, cap, progress=False)
+            for p in ("vllm+", "sglang+", "coverage")}
+    runs["belady"] = bound.run(cap, flops=False)
     config = shadow_config_for(workload, profile, cap, ShadowConfig(), None)
     tuned = [replay(workload, build_policy("marconi", profile, cap, tuning=config), profile, cap, progress=False)]
     runs["marconi-best"] = replay_best(workload, profile, cap, progress=False)
@@ -76,21 +85,26 @@ def run_cell(workload, profile, capacity_gb):
 
 def fmt_row(label, runs, bound, rate, wall_ratio):
     m, b, s, v = runs["marconi"], runs["marconi-best"], runs["sglang+"], runs["vllm+"]
+    c, opt = runs["coverage"], runs["belady"]
     d_best, d_lru = 100 * (m.token_hit_rate - b.token_hit_rate), 100 * (m.token_hit_rate - s.token_hit_rate)
     ok = d_best >= -1.0 and d_lru >= -0.5 and m.flops_saved >= s.flops_saved * (1 - 1e-12)
     ratio = lambda a, c: f"{a / c:.2f}x" if c else "-"  # noqa: E731
     share = lambda r: f"{100 * r.token_hit_rate / bound:.0f}%" if bound else "-"  # noqa: E731
-    return (f"| {label} | {100 * v.token_hit_rate:.2f} | {100 * s.token_hit_rate:.2f} | {100 * m.token_hit_rate:.2f} "
-            f"| {100 * b.token_hit_rate:.2f} ({b.best_choice}) | {d_best:+.2f} | {d_lru:+.2f} "
+    closed = format_share(gap_closed(m.token_hit_rate, s.token_hit_rate, opt.token_hit_rate))
+    return (f"| {label} | {100 * v.token_hit_rate:.2f} | {100 * s.token_hit_rate:.2f} | {100 * c.token_hit_rate:.2f} "
+            f"| {100 * m.token_hit_rate:.2f} | {100 * b.token_hit_rate:.2f} ({b.best_choice}) "
+            f"| {100 * opt.token_hit_rate:.2f} | {closed} | {100 * (m.token_hit_rate - c.token_hit_rate):+.2f} "
+            f"| {d_best:+.2f} | {d_lru:+.2f} "
             f"| {ratio(m.flops_saved, s.flops_saved)} | {ratio(m.flops_saved, b.flops_saved)} "
             f"| {share(v)} / {share(s)} / {share(m)} / {share(b)} | {' > '.join(m.choices_used())} | {rate:.2g} "
             f"| {wall_ratio:.1f}x | {'yes' if ok else 'NO'} | {'yes' if wall_ratio <= MAX_WALL_RATIO else 'NO'} |")
 
 
-HEADER = ("| {first} | vLLM+ hit% | SGLang+ hit% | Marconi hit% | best hit% (choice) | Δ pts vs best "
+HEADER = ("| {first} | vLLM+ hit% | SGLang+ hit% | coverage hit% | Marconi hit% | best hit% (choice) "
+          "| belady hit% (bound) | share of the LRU-to-bound gap closed | Δ pts vs coverage | Δ pts vs best "
           "| Δ pts vs SGLang+ | FLOPs M/S | FLOPs M/best | share of infinite V/S/M/best | choices (in order) "
           "| sample rate | tuned/fixed wall | quality met | cost met |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def load(name):
@@ -107,10 +121,11 @@ def sweep(name, capacities, out, quick):
           f"infinite-cache bound {100 * bound.token_hit_rate:.2f}%)\n")
     print(HEADER.format(first="capacity"))
     all_runs = [bound]
+    offline = BeladyBound(workload, profile)  # one pass over the trace for every capacity
     for gb in capacities[::2] if quick else capacities:
-        runs, rate, wall_ratio = run_cell(workload, profile, gb)
+        runs, rate, wall_ratio = run_cell(workload, profile, gb, offline)
         all_runs += runs.values()
-        CELLS.append(cell_row(name, gb, runs, wall_ratio))
+        CELLS.append(dict(cell_row(name, gb, runs, wall_ratio), table=name))
         print(fmt_row(f"{gb:g} GB", runs, bound.token_hit_rate, rate, wall_ratio), flush=True)
     plot_runs(all_runs, out / f"{name.replace(':', '_')}.png", title=f"{name} on paper-7b")
     return all_runs
@@ -132,9 +147,10 @@ def axis(title, variants):
     for label, profile in variants:
         capacity_gb = AXIS_CAPACITY_GB * footprint(profile) / ref
         bound = replay(workload, build_policy("infinite", profile, 1), profile, 1, progress=False)
-        runs, rate, wall_ratio = run_cell(workload, profile, capacity_gb)
+        runs, rate, wall_ratio = run_cell(workload, profile, capacity_gb, BeladyBound(workload, profile))
         all_runs += runs.values()
-        CELLS.append(cell_row(f"{title.split(' (')[0]}: {label}", round(capacity_gb, 1), runs, wall_ratio))
+        CELLS.append(dict(cell_row(f"{title.split(' (')[0]}: {label}", round(capacity_gb, 1), runs, wall_ratio),
+                          table=title.split(" (")[0]))
         print(fmt_row(f"{label} ({capacity_gb:.1f} GB)", runs, bound.token_hit_rate, rate, wall_ratio), flush=True)
     return all_runs
 
@@ -151,10 +167,15 @@ class FixedCache:
         self.data = json.loads(path.read_text()) if path and path.exists() else {}
 
     def get(self, workload, profile, capacity, choice):
-        key = f"{workload.name}|{capacity}|{profile.name}|{choice_label(choice)}"
+        return self.run(workload, profile, capacity, choice_label(choice), lambda: replay(
+            workload, HybridRadixPolicy(choice_label(choice), profile, capacity, eviction_for(choice)), profile,
+            capacity, progress=False))
+
+    def run(self, workload, profile, capacity, label, make):
+        """The figures of `make()` (a RunResult), computed once per (workload, capacity, model, label)."""
+        key = f"{workload.name}|{capacity}|{profile.name}|{label}"
         if key not in self.data:
-            policy = HybridRadixPolicy(choice_label(choice), profile, capacity, eviction_for(choice))
-            r = replay(workload, policy, profile, capacity, progress=False)
+            r = make()
             self.data[key] = {"token_hit_rate": r.token_hit_rate, "flops_saved": r.flops_saved,
                               "hit_tokens": r.hit_tokens, "input_tokens": r.input_tokens, "wall_seconds": r.wall_seconds}
             if self.path:
@@ -162,11 +183,24 @@ class FixedCache:
         return self.data[key]
 
 
+_BOUNDS: dict[int, BeladyBound] = {}  # the trace pass of the workload in memory, shared by its capacities
+
+
+def belady_for(workload, profile) -> BeladyBound:
+    if id(workload) not in _BOUNDS:
+        _BOUNDS.clear()  # one workload in memory at a time
+        _BOUNDS[id(workload)] = BeladyBound(workload, profile)
+    return _BOUNDS[id(workload)]
+
+
 def suite_cell(cell, profile, fixed: FixedCache) -> dict:
     workload = cell.build()
     cap = int(cell.capacity_gb * 1e9)
     config = shadow_config_for(workload, profile, cap, ShadowConfig(), None)
     runs = {choice_label(c): fixed.get(workload, profile, cap, c) for c in config.choices}
+    coverage = fixed.run(workload, profile, cap, "coverage", lambda: replay(
+        workload, build_policy("coverage", profile, cap), profile, cap, progress=False))
+    bound = fixed.run(workload, profile, cap, "belady", lambda: belady_for(workload, profile).run(cap, flops=False))
     best_label = max(runs, key=lambda c: runs[c]["flops_saved"])  # max keeps the first of equals
     tuned = replay(workload, build_policy("marconi", profile, cap, tuning=config), profile, cap, progress=False)
     started = time.perf_counter()  # a fixed-choice replay in the same process, right after: the cost baseline
@@ -180,6 +214,7 @@ def suite_cell(cell, profile, fixed: FixedCache) -> dict:
         "best_choice": best_label, "flops_tuned": tuned.flops_saved, "flops_sglang+": lru["flops_saved"],
         "flops_best": best["flops_saved"], "flops_total": tuned.flops_total, "choices": tuned.choices_used(), "wall_ratio": tuned.wall_seconds / lru_wall,
         "candidates": {c: r["token_hit_rate"] for c, r in runs.items()},
+        "coverage": coverage["token_hit_rate"], "belady": bound["token_hit_rate"],
     }
 
 
@@ -192,16 +227,19 @@ def judge(row) -> tuple[float, float, float, bool, bool]:
     return d_lru, f_lru, d_best, lru_ok, d_best >= -1.0
 
 
-SUITE_HEADER = ("| group | workload | capacity | sample rate | SGLang+ hit% | tuned hit% | best hit% (choice) "
+SUITE_HEADER = ("| group | workload | capacity | sample rate | SGLang+ hit% | coverage hit% | tuned hit% | best hit% (choice) "
+                "| belady hit% (bound) | share of the LRU-to-bound gap closed | Δ pts vs coverage "
                 "| Δ pts vs SGLang+ | FLOPs T/S | Δ pts vs best | FLOPs Δ pts vs best | choices (in order) | tuned/fixed wall "
-                "| >= LRU | best - 1 |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                "| >= LRU | best - 1 |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def suite_row(row) -> str:
     d_lru, f_lru, d_best, lru_ok, best_ok = judge(row)
+    closed = format_share(gap_closed(row["tuned"], row["sglang+"], row["belady"]))
     return (f"| {row['group']} | {row['workload']} | {row['capacity_gb']:g} GB | {row['sample_rate']:.2g} "
-            f"| {100 * row['sglang+']:.2f} | {100 * row['tuned']:.2f} | {100 * row['best']:.2f} ({row['best_choice']}) "
-            f"| {d_lru:+.2f} | {f_lru:.3f}x | {d_best:+.2f} | {100 * (row['flops_tuned'] - row['flops_best']) / row['flops_total']:+.2f} "
+            f"| {100 * row['sglang+']:.2f} | {100 * row['coverage']:.2f} | {100 * row['tuned']:.2f} "
+            f"| {100 * row['best']:.2f} ({row['best_choice']}) | {100 * row['belady']:.2f} | {closed} "
+            f"| {100 * (row['tuned'] - row['coverage']):+.2f} | {d_lru:+.2f} | {f_lru:.3f}x | {d_best:+.2f} | {100 * (row['flops_tuned'] - row['flops_best']) / row['flops_total']:+.2f} "
             f"| {' > '.join(row['choices'])} | {row['wall_ratio']:.1f}x "
             f"| {'yes' if lru_ok else 'NO'} | {'yes' if best_ok else 'NO'} |")
 
@@ -248,7 +286,8 @@ def run_suite(groups, quick, out: Path, cache_path: Path | None) -> int:
         print(suite_row(row), flush=True)
     print()
     for group in groups:
-        for line in suite_summary([r for r in rows if r["group"] == group], group):
+        group_rows = [r for r in rows if r["group"] == group]
+        for line in suite_summary(group_rows, group) + headroom_summary(group_rows, group):
             print(line)
     (out / "suite.json").write_text(json.dumps(rows, indent=1))
     print(f"\nwrote {out}/suite.json")
@@ -441,6 +480,11 @@ def main(argv=None) -> int:
     if CELLS:
         print()
         for line in suite_summary(CELLS, "bench_policies"):
+            print(line)
+        for group in dict.fromkeys(c["table"] for c in CELLS):  # per table, then over all
+            for line in headroom_summary([c for c in CELLS if c["table"] == group], group):
+                print(line)
+        for line in headroom_summary(CELLS, "bench_policies"):
             print(line)
     (args.out / "bench_policies.json").write_text(json.dumps([r.to_json() for r in results], indent=1))
     print(f"\nwrote {args.out}/bench_policies.json and plots")

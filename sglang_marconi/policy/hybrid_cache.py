@@ -96,6 +96,7 @@ class HybridPrefixCache:
         self.state_slots = None if state_slots is None else int(state_slots)
         self.eviction = eviction if eviction is not None else FlopAwareEviction(0.0)
         self._node_value = self._value_of(self.eviction)
+        self._value_reaches_up = getattr(self.eviction, "value_reaches_up", False)
         self.checkpoint_grid = checkpoint_grid
         self.kv_bytes_per_token = int(profile.kv_bytes_per_token)
         self.ssm_state_bytes = int(profile.ssm_state_bytes)
@@ -381,6 +382,7 @@ class HybridPrefixCache:
             return
         self.eviction = eviction
         self._node_value = self._value_of(eviction)
+        self._value_reaches_up = getattr(eviction, "value_reaches_up", False)
         for node in self.tree.nodes():
             self._refresh(node)
 
@@ -400,6 +402,17 @@ class HybridPrefixCache:
                 self.index.update(node.slot, node.last_access, eff)
         elif node.slot >= 0:
             self._drop(node)
+        if self._value_reaches_up:
+            self._rescore_stated_ancestor(node)
+
+    def _rescore_stated_ancestor(self, node: Node) -> None:
+        # A value that depends on the subtree (coverage) changes with any edit at or below `node`
+        # for the nearest ancestor holding a state; every edit refreshes the node it touched.
+        above = node.parent
+        while above is not None and above is not self.tree.root and not (above.has_state or self.attention_only):
+            above = above.parent
+        if above is not None and above is not self.tree.root and above.slot >= 0:
+            self.index.update(above.slot, above.last_access, self._node_value(above))
 
     def _drop(self, node: Node) -> None:
         if node.slot < 0:

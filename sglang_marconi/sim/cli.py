@@ -22,6 +22,7 @@ from pathlib import Path
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.model_profile import load_profile
 from sglang_marconi.policy.shadow_tuner import ShadowConfig, parse_alpha_grid, parse_seglen_weights
+from sglang_marconi.sim.baselines.belady import BELADY, BeladyBound
 from sglang_marconi.sim.cluster.cli import add_cluster_arguments, check_cluster_arguments, cluster_main
 from sglang_marconi.sim.hindsight import BEST, replay_best
 from sglang_marconi.sim.kv_blocks.registry import build_block_cache, is_kv_policy
@@ -73,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", default="2GB,5GB,10GB,20GB", help="comma list, GB = 10^9 bytes, GiB = 2^30")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma list (default {DEFAULT_POLICIES}); marconi:A fixes alpha; marconi-best is the "
-                        "best fixed choice in hindsight; KV-only block caches "
+                        "best fixed choice in hindsight; belady an offline upper bound on any eviction under "
+                        "Marconi's admission; coverage SGLang PR #38000's eviction rule; KV-only block caches "
                         "kv-lru, kv-lfu, kv-fifo, kv-s3fifo[:small_ratio=0.1,max_freq=3]")
     p.add_argument("--capacity-blocks", help="comma list of block counts for the kv-* policies (instead of --capacity)")
     p.add_argument("--json", help="write the runs here")
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> list[RunResult]:
     workload = load_workload(args.trace or args.workload or DEFAULT_WORKLOAD, args.mooncake_tokens)
     tuning = ShadowConfig(alpha_grid=args.alpha_grid, seglen_weights=args.seglen_weights, objective=args.objective,
                           epoch=args.tune_epoch, margin=args.tune_margin, sample_rate=args.tune_sample_rate or 1.0)
-    trace = None
+    trace = bound = None
     runs = []
     for policy_name in policies:
         if is_kv_policy(policy_name):
@@ -140,6 +142,12 @@ def run(args: argparse.Namespace) -> list[RunResult]:
             continue
         for capacity in capacities[:1] if policy_name in CAPACITY_FREE else capacities:
             replay_args = dict(gpu=args.gpu, progress=not args.no_progress, limit=args.limit)
+            if policy_name == BELADY:  # one pass over the trace, then one bound per capacity
+                if bound is None:
+                    bound = BeladyBound(workload, profile, checkpoint_grid=args.checkpoint_grid,
+                                        probation=args.probation, limit=args.limit)
+                runs.append(bound.run(capacity, gpu=args.gpu))
+                continue
             if policy_name == BEST:
                 if profile.has_sliding_window:
                     raise MarconiError(f"{BEST} does not model sliding-window layers ({profile.name})")

@@ -11,13 +11,13 @@ import re
 from sglang_marconi.policy.shadow_tuner import ShadowConfig
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction.flop_aware import check_alpha
-from sglang_marconi.sim.baselines.hybrid_radix import marconi, sglang_plus
+from sglang_marconi.sim.baselines.hybrid_radix import coverage, marconi, sglang_plus
 from sglang_marconi.sim.baselines.infinite import InfiniteCache
 from sglang_marconi.sim.baselines.no_cache import NoCache
 from sglang_marconi.sim.baselines.vllm_plus import VllmPlusCache
 from sglang_marconi.sim.kv_blocks.registry import KV_POLICIES, is_kv_policy, parse_kv_spec
 
-POLICY_NAMES = ("none", "vllm+", "sglang+", "marconi", "marconi-best", "infinite", "furiosa")
+POLICY_NAMES = ("none", "vllm+", "sglang+", "coverage", "marconi", "marconi-best", "belady", "infinite", "furiosa")
 # Policies a sliding-window (SWA) hybrid runs (`sim/baselines/swa_radix.py`); furiosa runs only there.
 SWA_POLICY_NAMES = ("none", "furiosa", "sglang+", "marconi", "infinite")
 # Policies whose result does not depend on the cache capacity: run once, not per capacity.
@@ -64,6 +64,8 @@ def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None
         raise MarconiError(f"policy furiosa models sliding-window hybrids; {profile.name} has no sliding-window layers")
     if base == "marconi-best":
         raise MarconiError("marconi-best replays every candidate: use sim.hindsight.replay_best")
+    if base == "belady":
+        raise MarconiError("belady is an offline bound over the whole trace: use sim.baselines.belady.BeladyBound")
     if base == "none":
         return NoCache()
     if base == "infinite":
@@ -72,6 +74,8 @@ def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None
         return VllmPlusCache(profile, capacity_bytes, block_size=block_size)
     if base == "sglang+":
         return sglang_plus(profile, capacity_bytes, checkpoint_grid=checkpoint_grid, probation=probation)
+    if base == "coverage":
+        return coverage(profile, capacity_bytes, checkpoint_grid=checkpoint_grid, probation=probation)
     return marconi(profile, capacity_bytes, alpha=float(fixed) if fixed else alpha,
                    checkpoint_grid=checkpoint_grid, tuning=tuning, probation=probation)
 

@@ -14,6 +14,9 @@ class EvictionPolicy(ABC):
     evicts_single_child_nodes: bool
     # On a hit, refresh every node of the matched path (SGLang's LRU) or only the node hit.
     refresh_matched_path: bool
+    # The per-node value (`node_value`) depends on the node's subtree: an edit below a node
+    # re-scores its nearest ancestor holding a state (`CoverageEviction`).
+    value_reaches_up: bool = False
 
     @abstractmethod
     def choose(self, candidates: CandidateIndex):

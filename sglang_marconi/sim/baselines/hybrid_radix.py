@@ -1,15 +1,16 @@
-"""SGLang+ and Marconi on the simulator's `Policy` interface.
+"""SGLang+, Marconi and coverage on the simulator's `Policy` interface.
 
-Both use the policy core's `HybridPrefixCache` with Marconi's admission; they differ only in
+All use the policy core's `HybridPrefixCache` with Marconi's admission; they differ only in
 eviction: SGLang+ is LRU over leaves with path refresh, Marconi is FLOP-aware with a fixed alpha
-or a choice tuned online by shadow caches (`policy/shadow_tuner.py`).
+or a choice tuned online by shadow caches (`policy/shadow_tuner.py`), coverage is SGLang PR
+#38000's rule (`policy/eviction/coverage.py`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction
+from sglang_marconi.policy.eviction import CoverageEviction, EvictionPolicy, FlopAwareEviction, LruLeafEviction
 from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.shadow_tuner import ShadowConfig, ShadowTuner, adopt_choice, eviction_for
 from sglang_marconi.sim.policy_api import Outcome, PolicyStats
@@ -63,6 +64,11 @@ class HybridRadixPolicy:
 
 def sglang_plus(profile, capacity_bytes: int, *, checkpoint_grid: int = 1, probation: bool = False) -> HybridRadixPolicy:
     return HybridRadixPolicy("sglang+", profile, capacity_bytes, LruLeafEviction(), checkpoint_grid=checkpoint_grid,
+                             probation=probation)
+
+
+def coverage(profile, capacity_bytes: int, *, checkpoint_grid: int = 1, probation: bool = False) -> HybridRadixPolicy:
+    return HybridRadixPolicy("coverage", profile, capacity_bytes, CoverageEviction(), checkpoint_grid=checkpoint_grid,
                              probation=probation)
 
 

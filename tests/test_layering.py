@@ -39,7 +39,8 @@ def test_importing_any_module_loads_no_torch_or_sglang():
         "import sys, sglang_marconi.sim.cli, sglang_marconi.policy.shadow_tuner, sglang_marconi.policy.model_profile,"
         " sglang_marconi.serving.plugin, sglang_marconi.serving.runtime, sglang_marconi.serving.cache,"
         " sglang_marconi.serving.admission, sglang_marconi.serving.metrics, sglang_marconi.serving.two_pass_prefill,"
-        " sglang_marconi.serving.eviction_components, sglang_marconi.serving.background_tuner, sglang_marconi.launch_server;"
+        " sglang_marconi.serving.components, sglang_marconi.serving.tree_index, sglang_marconi.serving.eviction_settings,"
+        " sglang_marconi.serving.group_channel, sglang_marconi.serving.lockstep, sglang_marconi.serving.background_tuner, sglang_marconi.launch_server;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

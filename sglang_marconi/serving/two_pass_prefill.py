@@ -36,9 +36,13 @@ Done with AROUND hooks from SGLang's `HookRegistry` (no source patch):
 
 Split positions come from `admission.chunk_end_for_branch`. Where a cut at the branch is not
 page aligned (or not on `truncation_align_size`), the chunk is ended at the last aligned position
-before the branch instead, if there is one after the prefix (`req.marconi_branch_cut`, which
+before the branch instead, if there is one after the prefix (`req.marconi.branch_cut`, which
 admission then takes for the branch state), else not split (counted `skipped_unaligned`).
-Counters live on the tree cache, `tree_cache.marconi_two_pass_counters`.
+Counters live in the cache's Marconi state (`cache.marconi.two_pass`).
+
+Faults: the chunking decision changes what the scheduler runs, and has nothing derived to rebuild,
+so an exception in Marconi's part of a hook is unrecoverable (`faults.py`): a rank alone goes on
+with upstream's chunking, a rank of a group stops the group.
 """
 
 from __future__ import annotations
@@ -47,9 +51,9 @@ import dataclasses
 import functools
 import math
 import pkgutil
-from dataclasses import dataclass
 
 from sglang_marconi.serving.admission import chunk_end_for_branch, tracked_position_for_branch
+from sglang_marconi.serving.cache_state import TwoPassCounters, request_state
 
 _POLICY = "sglang.srt.managers.schedule_policy.PrefillAdder"
 SELECT_TARGET = f"{_POLICY}._select_prefill_admission"
@@ -57,20 +61,11 @@ CHUNKED_TARGET = f"{_POLICY}.add_chunked_req"
 TRACK_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend"
 
 
-@dataclass
-class TwoPassCounters:
-    splits: int = 0  # new requests whose extend was ended at their branch
-    continuation_splits: int = 0  # continuing chunked requests ended at their branch
-    skipped_other_chunked: int = 0  # branch inside the extend, but another request is chunked
-    skipped_unaligned: int = 0  # branch not on the page / truncation grid, and no aligned cut before it
-    aligned_below: int = 0  # branch not on the page / truncation grid: cut at the last aligned position
-    deferred_second_chunked: int = 0  # a new chunked admission refused: one is chunked already
-
-
 def two_pass_active(tree_cache) -> bool:
     """Marconi's tree cache in no_buffer mode."""
+    state = getattr(tree_cache, "marconi", None)
     return (
-        getattr(tree_cache, "marconi_settings", None) is not None
+        state is not None and state.index is not None and state.faults.fallen_back is None
         and getattr(tree_cache, "enable_mamba_extra_buffer", True) is False
     )
 
@@ -82,11 +77,13 @@ def _mamba_component(tree_cache):
 
 def branch_tracking_active(tree_cache) -> bool:
     """Marconi's admission (which reports exact branches), in extra_buffer mode."""
-    return getattr(tree_cache, "enable_mamba_extra_buffer", False) is True and _mamba_component(tree_cache) is not None
+    state = getattr(tree_cache, "marconi", None)
+    return (getattr(tree_cache, "enable_mamba_extra_buffer", False) is True and _mamba_component(tree_cache) is not None
+            and state is not None and state.faults.fallen_back is None)
 
 
 def counters(tree_cache) -> TwoPassCounters:
-    return tree_cache.__dict__.setdefault("marconi_two_pass_counters", TwoPassCounters())
+    return tree_cache.marconi.two_pass
 
 
 def _aligned(adder, prefix_len: int, end: int, truncation_align_size=None) -> bool:
@@ -107,7 +104,7 @@ def _cut(adder, req, prefix_len: int, branch: int, truncation_align_size=None) -
         cut -= step
     if cut <= prefix_len:
         return None
-    req.marconi_branch_cut = cut
+    request_state(req).branch_cut = cut
     return cut
 
 
@@ -120,7 +117,7 @@ def _select_around(original, adder, req, *args, **kwargs):
 
     if isinstance(admission, AddReqResult):
         return admission
-    req.marconi_branch_cut = None  # admitted from a new match: no cut made for its branch yet
+    request_state(req).branch_cut = None  # admitted from a new match: no cut made for its branch yet
     another_chunked = kwargs.get("has_chunked_req", False) or adder.new_chunked_req is not None
     if admission.is_chunked and another_chunked:
         counters(cache).deferred_second_chunked += 1
@@ -153,7 +150,7 @@ def _add_chunked_around(original, adder, req, *args, **kwargs):
         return original(adder, req, *args, **kwargs)
     n = len(req.full_untruncated_fill_ids)
     cut = chunk_end_for_branch(req, n)
-    if not req.prefix_len < cut < n or getattr(req, "marconi_branch_cut", None) is not None:
+    if not req.prefix_len < cut < n or request_state(req).branch_cut is not None:
         # (a cut below the branch already gave the request its branch state)
         return original(adder, req, *args, **kwargs)
     branch = cut
@@ -173,7 +170,7 @@ def _add_chunked_around(original, adder, req, *args, **kwargs):
     if adder.can_run_list and adder.can_run_list[-1] is req and req.extend_end == cut:
         counters(cache).continuation_splits += 1
     else:
-        req.marconi_branch_cut = None  # the budget ended the chunk elsewhere: cut again next round
+        request_state(req).branch_cut = None  # the budget ended the chunk elsewhere: cut again next round
     return result
 
 
@@ -193,14 +190,14 @@ def _track_around(original, batch, req, *args, **kwargs):
 
 
 def _guarded(hook, where: str):
-    """`hook` with the fault guard: an exception in Marconi's part of it costs one warning
-    (`MarconiEvictionSettings.fault`: the cache falls back to upstream, the group follows at the
-    next sync point) and the call goes on as upstream's; upstream's own exceptions propagate."""
+    """`hook` with the fault guard: an exception in Marconi's part of it is unrecoverable
+    (`faults.py`: a rank alone goes on with upstream's chunking, the call included; a rank of a
+    group raises); upstream's own exceptions propagate."""
 
     @functools.wraps(hook)
     def run(original, owner, req, *args, **kwargs):
-        settings = getattr(owner.tree_cache, "marconi_settings", None)
-        if settings is not None and getattr(settings, "faulted", None) is not None:
+        state = getattr(owner.tree_cache, "marconi", None)
+        if state is None or state.faults.fallen_back is not None:
             return original(owner, req, *args, **kwargs)
         upstream = {}
 
@@ -213,9 +210,9 @@ def _guarded(hook, where: str):
         try:
             return hook(call_original, owner, req, *args, **kwargs)
         except Exception as exc:
-            if settings is None or (upstream.get("called") and "result" not in upstream):
-                raise  # upstream's own exception, or no Marconi cache to fall back with
-            settings.fault(where, exc)
+            if upstream.get("called") and "result" not in upstream:
+                raise  # upstream's own exception
+            state.faults.unrecoverable(where, exc)
             return upstream["result"] if "result" in upstream else original(owner, req, *args, **kwargs)
 
     return run

@@ -18,10 +18,8 @@ from sglang_cpu import MAMBA, build_cache, run_request  # noqa: E402
 from sglang_cpu import node_depth as depth  # noqa: E402
 
 from sglang_marconi.serving.admission import admission_mixin, chunk_end_for_branch  # noqa: E402
-from sglang_marconi.serving.eviction_components import (  # noqa: E402
-    MarconiEvictionSettings,
-    marconi_component_overrides,
-)
+from sglang_marconi.serving.components import marconi_component_overrides  # noqa: E402
+from sglang_marconi.serving.eviction_settings import MarconiEvictionSettings  # noqa: E402
 from sglang_marconi.serving.two_pass_prefill import (  # noqa: E402
     install_two_pass_prefill_hook,
     uninstall_two_pass_prefill_hook,
@@ -39,11 +37,10 @@ def hooks():
 
 
 def marconi(alpha=0.0, **kwargs):
-    settings = MarconiEvictionSettings("nemotron-h-8b", alpha=alpha)
+    settings = MarconiEvictionSettings("nemotron-h-8b", choice=alpha)
     overrides = marconi_component_overrides(settings, mamba_mixins=(admission_mixin(),))
     cc = build_cache(component_registry_override=overrides, **kwargs)
     cc.settings = settings
-    cc.cache.marconi_settings = settings  # what the `marconi` backend factory sets
     return cc
 
 
@@ -56,7 +53,7 @@ def state_depths(cc) -> set[int]:
 
 
 def admission(cc):
-    return cc.cache.components[MAMBA].marconi_admission_counters
+    return cc.cache.marconi.admission
 
 
 def serve(cc, tokens, n_out, **kw):
@@ -108,7 +105,7 @@ def test_no_request_leaves_more_than_two_states(chunk_size):
         run_request(upstream, prompt, 20, chunk_size=chunk_size)
     if chunk_size is not None:  # upstream keeps a state per prefill chunk
         assert states_in_tree(upstream) > states_in_tree(cc)
-    counters = cc.cache.components[MAMBA].marconi_admission_counters
+    counters = cc.cache.marconi.admission
     assert counters.branch_states_admitted >= 1 and counters.final_states_admitted == 5
 
 
@@ -136,7 +133,7 @@ def test_branch_state_skipped_when_no_mamba_slot_can_be_had():
     (stateful,) = [n for n in cc.nodes() if n.component_data[MAMBA].value is not None]
     lock = cc.cache.lock(stateful.id)  # nothing in the tree may be evicted for the branch state
     run_request(cc, SYSTEM + list(range(20000, 20040)), 4, chunk_end=chunk_end_for_branch)
-    counters = cc.cache.components[MAMBA].marconi_admission_counters
+    counters = cc.cache.marconi.admission
     assert counters.skipped_no_slot == 1 and counters.branch_states_admitted == 0
     cc.cache.unlock(lock)
     holder.output_ids.append(7)

@@ -13,10 +13,8 @@ from sglang_cpu import MAMBA, build_cache, make_request  # noqa: E402
 from sglang_cpu import node_depth as depth  # noqa: E402
 
 from sglang_marconi.serving.admission import admission_mixin  # noqa: E402
-from sglang_marconi.serving.eviction_components import (  # noqa: E402
-    MarconiEvictionSettings,
-    marconi_component_overrides,
-)
+from sglang_marconi.serving.components import marconi_component_overrides  # noqa: E402
+from sglang_marconi.serving.eviction_settings import MarconiEvictionSettings  # noqa: E402
 from sglang_marconi.serving.admission import tracked_position_for_branch  # noqa: E402
 from sglang_marconi.serving.two_pass_prefill import (  # noqa: E402
     CHUNKED_TARGET,
@@ -53,11 +51,10 @@ def hooks():
 
 
 def marconi(**kwargs):
-    settings = MarconiEvictionSettings("nemotron-h-8b", alpha=0.0)
+    settings = MarconiEvictionSettings("nemotron-h-8b", choice=0.0)
     cc = build_cache(component_registry_override=marconi_component_overrides(
         settings, mamba_mixins=(admission_mixin(),)), **kwargs)
     cc.settings = settings
-    cc.cache.marconi_settings = settings  # what the `marconi` backend factory sets
     return cc
 
 
@@ -149,7 +146,7 @@ def state_depths(cc) -> list[int]:
 
 
 def two_pass(cc) -> TwoPassCounters:
-    return cc.cache.__dict__.get("marconi_two_pass_counters", TwoPassCounters())
+    return cc.cache.marconi.two_pass
 
 
 def test_hooks_registered_once_through_the_hook_registry():
@@ -211,13 +208,12 @@ def test_branch_inside_the_extend_is_split_there_and_continues_as_the_chunked_re
 
 def test_upstream_behaviour_without_the_split_for_comparison():
     cc = marconi()
-    cc.cache.marconi_settings = None  # backend not Marconi: hooks inactive
+    cc.cache.marconi = None  # backend not Marconi: hooks inactive
     s = Scheduler(cc)
     reqs = [s.submit(SYSTEM + list(range(5000 + 300 * i, 5200 + 300 * i))) for i in range(3)]
     for _ in reqs:
         s.round()
     assert [r.cached_tokens for r in reqs] == [0, 0, 0]
-    assert "marconi_two_pass_counters" not in cc.cache.__dict__
 
 
 def test_request_without_a_branch_point_is_untouched():
@@ -287,7 +283,7 @@ def test_second_new_request_with_a_branch_is_not_split_in_the_same_round():
 
 
 def test_nothing_changes_when_the_backend_is_not_marconi():
-    cc = build_cache()  # upstream components, no `marconi_settings`
+    cc = build_cache()  # upstream components: no Marconi state on the cache
     s = Scheduler(cc)
     s.submit(SYSTEM + list(range(5000, 5200)))
     s.drain()
@@ -295,14 +291,17 @@ def test_nothing_changes_when_the_backend_is_not_marconi():
     adder, batch = s.round()
     assert req.mamba_branching_seqlen == 960 and batch.extend_num_tokens == 1200
     assert adder.new_chunked_req is None and req.finished()
-    assert "marconi_two_pass_counters" not in cc.cache.__dict__
+    assert getattr(cc.cache, "marconi", None) is None
     cc.check_no_leak()
 
 
 def test_inactive_in_extra_buffer_mode():
-    marked = types.SimpleNamespace(marconi_settings=object(), enable_mamba_extra_buffer=True)
+    from sglang_marconi.serving.faults import MarconiFaults
+
+    state = types.SimpleNamespace(index=object(), faults=MarconiFaults())
+    marked = types.SimpleNamespace(marconi=state, enable_mamba_extra_buffer=True)
     assert not two_pass_active(marked)
-    assert two_pass_active(types.SimpleNamespace(marconi_settings=object(), enable_mamba_extra_buffer=False))
+    assert two_pass_active(types.SimpleNamespace(marconi=state, enable_mamba_extra_buffer=False))
     assert not two_pass_active(types.SimpleNamespace(enable_mamba_extra_buffer=False))
 
 
@@ -310,7 +309,7 @@ def test_snapshot_steering_only_with_marconis_admission_in_extra_buffer_mode():
     assert branch_tracking_active(marconi(extra_buffer=True, mamba_size=64).cache)
     assert not branch_tracking_active(marconi().cache)  # no_buffer: two-pass splits instead
     assert not branch_tracking_active(build_cache(extra_buffer=True, mamba_size=64).cache)  # upstream's
-    eviction_only = marconi_component_overrides(MarconiEvictionSettings("nemotron-h-8b", alpha=0.0))
+    eviction_only = marconi_component_overrides(MarconiEvictionSettings("nemotron-h-8b", choice=0.0))
     assert not branch_tracking_active(build_cache(component_registry_override=eviction_only, extra_buffer=True,
                                                   mamba_size=64).cache)  # --marconi-admission off
 
@@ -338,11 +337,11 @@ def test_unaligned_branch_is_cut_at_the_last_aligned_position_before_it():
     s.drain()
     req = s.submit(SYSTEM + list(range(6000, 6192)))
     adder, batch = s.round()
-    assert req.mamba_branching_seqlen == 1000 and req.marconi_branch_cut == 960 and req.prefix_len == 960
+    assert req.mamba_branching_seqlen == 1000 and req.marconi.branch_cut == 960 and req.prefix_len == 960
     assert batch.extend_num_tokens == 960 and 960 in state_depths(cc)
     assert (two_pass(cc).splits, two_pass(cc).aligned_below, two_pass(cc).skipped_unaligned) == (1, 1, 0)
     s.drain()
-    admission = cc.cache.components[MAMBA].marconi_admission_counters
+    admission = cc.cache.marconi.admission
     assert admission.branch_states_admitted == 1 and admission.grid_lost_tokens == 40
     third = s.submit(SYSTEM + list(range(7000, 7192)))
     s.drain()

@@ -75,7 +75,7 @@ INTERNAL_STATE_TARGET = (
 
 def scheduler_metric_labels(served_model_name: Optional[str] = None) -> dict:
     """The labels SGLang puts on its scheduler gauges, for this process
-    (`SchedulerMetricsCollector.init_new`, observability/metrics_collector.py:1377-1394)."""
+    (`SchedulerMetricsCollector.init_new`)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.runtime_context import get_disagg, get_observability, get_parallel, get_schedule, get_serving
 
@@ -101,7 +101,7 @@ def scheduler_metric_labels(served_model_name: Optional[str] = None) -> dict:
 def publishes_scheduler_metrics() -> bool:
     """Whether SGLang publishes its scheduler gauges from this process: `--enable-metrics` on the
     stats rank (attention-TP and attention-CP rank 0), or on every rank with
-    `--enable-metrics-for-all-schedulers` (metrics_collector.py:1359-1367)."""
+    `--enable-metrics-for-all-schedulers` (as `SchedulerMetricsCollector` decides it)."""
     from sglang.srt.runtime_context import get_observability, get_parallel
 
     observability, parallel = get_observability(), get_parallel()

@@ -60,13 +60,34 @@ def ends_input(req, checkpoint_end: int) -> bool:
     return checkpoint_end == len(req.origin_input_ids)
 
 
-def chunk_end_for_branch(req, proposed_end: int) -> int:
-    """Two-pass prefill: end the prefill chunk that would run past the branch position exactly
-    at it, so the state there can be checkpointed whatever the chunk grid."""
+def chunk_end_for_branch(req, proposed_end: int, snapshot_step: int | None = None) -> int:
+    """Two-pass prefill: where to end the prefill chunk [req.prefix_len, proposed_end) so that the
+    branch's state is checkpointed exactly.
+
+    no_buffer (`snapshot_step` None): a state exists only at an extend's end, so the chunk that
+    would run past the branch ends at it.
+
+    extra_buffer (`snapshot_step`: SGLang's snapshot grid, 64): the forward pass snapshots states
+    only a whole number of steps into an extend (`start + k * step`, k >= 1), so an extend that
+    starts at the hit rarely has one at the branch. The chunk is ended where the next extend starts
+    a whole number of steps before the branch: at `branch - step` when that extend would reach the
+    branch, else `step`-aligned with it, below the proposed end. The chunk count grows by at most
+    one (less where the prompt is chunked anyway). Impossible when the branch is less than one step
+    past the hit (no extend can start between them): the end stays, and the latest snapshot before
+    the branch is taken instead (`tracked_position_for_branch`)."""
     branch = branch_position(req)
-    if branch is not None and req.prefix_len < branch < proposed_end:
-        return branch
-    return proposed_end
+    start = req.prefix_len
+    if branch is None or branch <= start:
+        return proposed_end
+    if snapshot_step is None:
+        return branch if branch < proposed_end else proposed_end
+    if branch - start < snapshot_step or ((branch - start) % snapshot_step == 0 and branch <= proposed_end):
+        return proposed_end  # impossible, or tracked as it is
+    if branch - snapshot_step < proposed_end:
+        cut = branch - snapshot_step  # the next extend snapshots the branch one step in
+    else:
+        cut = proposed_end - (proposed_end - branch) % snapshot_step
+    return cut if start < cut < proposed_end else proposed_end
 
 
 def tracked_position_for_branch(req, step: int) -> int | None:

@@ -1,14 +1,22 @@
-"""Two-pass prefill inside SGLang's scheduler: end a prefill chunk at the branch position.
+"""Two-pass prefill inside SGLang's scheduler: end a prefill chunk where the branch's state can be
+kept exactly.
 
 Marconi admits a request's branch state from the checkpoint at `req.mamba_branching_seqlen`
-(the exact branch, set at match time; see `admission.py`). In SGLang's no_buffer mode (the
-default without overlap scheduling / with page size 1) a Mamba state exists only at the end of
-an extend, so when the branch lies strictly inside the extend that `PrefillAdder` picks, the
-extend is ended at the branch and the request continues as SGLang's (single) chunked request in
-the next round; `Scheduler.stash_chunked_request` -> `checkpoint_kv_cache` then runs at exactly
-the branch length. In extra_buffer mode no chunk is split: the forward pass snapshots a state
-inside the extend, and a third hook steers that snapshot to the branch (below). Nothing changes
-when the tree cache is not Marconi's.
+(the exact branch, set at match time; see `admission.py`). Where the chunk ends depends on
+SGLang's Mamba radix-cache strategy (`admission.chunk_end_for_branch`):
+- no_buffer (the default without overlap scheduling): a Mamba state exists only at the end of an
+  extend, so when the branch lies strictly inside the extend that `PrefillAdder` picks, the extend
+  is ended at the branch and the request continues as SGLang's (single) chunked request in the
+  next round; `Scheduler.stash_chunked_request` -> `checkpoint_kv_cache` then runs at exactly the
+  branch length.
+- extra_buffer (the GPU default): the forward pass snapshots states only a whole number of grid
+  steps (64) into each extend. The chunk is ended where the next extend starts a whole number of
+  steps before the branch, so its snapshot lands exactly on the branch (an extend that started at
+  the hit would snapshot up to 63 tokens short of it, and that loss is most of what Marconi lost
+  to upstream in this mode: docs/benchmarks.md). Where no extend can start there (the branch
+  less than one step past the hit), a third hook steers the snapshot to the last grid position
+  before the branch.
+Nothing changes when the tree cache is not Marconi's (or runs upstream's admission).
 
 Done with AROUND hooks from SGLang's `HookRegistry` (no source patch):
 
@@ -34,10 +42,11 @@ Done with AROUND hooks from SGLang's `HookRegistry` (no source patch):
   position at or before it (`admission.tracked_position_for_branch`), so the state kept for the
   branch is the closest one the mode can snapshot, the branch itself when it is on that grid.
 
-Split positions come from `admission.chunk_end_for_branch`. Where a cut at the branch is not
-page aligned (or not on `truncation_align_size`), the chunk is ended at the last aligned position
-before the branch instead, if there is one after the prefix (`req.marconi.branch_cut`, which
-admission then takes for the branch state), else not split (counted `skipped_unaligned`).
+Split positions come from `admission.chunk_end_for_branch`. In no_buffer mode, where a cut at the
+branch is not page aligned (or not on `truncation_align_size`), the chunk is ended at the last
+aligned position before the branch instead, if there is one after the prefix
+(`req.marconi.branch_cut`, which admission then takes for the branch state), else not split
+(counted `skipped_unaligned`); in extra_buffer mode a cut off those grids is not made (counted).
 Counters live in the cache's Marconi state (`cache.marconi.two_pass`).
 
 Faults: the chunking decision changes what the scheduler runs, and has nothing derived to rebuild,
@@ -62,12 +71,20 @@ TRACK_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch._mamba_radix_ca
 
 
 def two_pass_active(tree_cache) -> bool:
-    """Marconi's tree cache in no_buffer mode."""
+    """Marconi's tree cache with Marconi's admission (which reports exact branches), either mode."""
     state = getattr(tree_cache, "marconi", None)
     return (
         state is not None and state.index is not None and state.faults.fallen_back is None
-        and getattr(tree_cache, "enable_mamba_extra_buffer", True) is False
+        and _mamba_component(tree_cache) is not None
     )
+
+
+def snapshot_step(tree_cache) -> int | None:
+    """extra_buffer mode: the grid SGLang's forward pass snapshots states on (relative to each
+    extend's start); no_buffer mode: None (a state exists at an extend's end only)."""
+    if not getattr(tree_cache, "enable_mamba_extra_buffer", False):
+        return None
+    return _mamba_component(tree_cache).mamba_checkpoint_grid
 
 
 def _mamba_component(tree_cache):
@@ -77,9 +94,7 @@ def _mamba_component(tree_cache):
 
 def branch_tracking_active(tree_cache) -> bool:
     """Marconi's admission (which reports exact branches), in extra_buffer mode."""
-    state = getattr(tree_cache, "marconi", None)
-    return (getattr(tree_cache, "enable_mamba_extra_buffer", False) is True and _mamba_component(tree_cache) is not None
-            and state is not None and state.faults.fallen_back is None)
+    return getattr(tree_cache, "enable_mamba_extra_buffer", False) is True and two_pass_active(tree_cache)
 
 
 def counters(tree_cache) -> TwoPassCounters:
@@ -126,19 +141,24 @@ def _select_around(original, adder, req, *args, **kwargs):
     end = prefix + admission.extend_len
     if prefix != req.prefix_len:  # a host hit would be loaded first: leave the shape alone
         return admission
-    cut = chunk_end_for_branch(req, end)
+    step = snapshot_step(cache)
+    cut = chunk_end_for_branch(req, end, step)
     if not prefix < cut < end:
         return admission
     if another_chunked:
         counters(cache).skipped_other_chunked += 1
         return admission
-    branch = cut
-    cut = _cut(adder, req, prefix, branch, kwargs.get("truncation_align_size"))
-    if cut is None:
+    if step is None:  # no_buffer: at the branch, else at the last aligned position before it
+        branch = cut
+        cut = _cut(adder, req, prefix, branch, kwargs.get("truncation_align_size"))
+        if cut is None:
+            counters(cache).skipped_unaligned += 1
+            return admission
+        if cut != branch:
+            counters(cache).aligned_below += 1
+    elif not _aligned(adder, prefix, cut, kwargs.get("truncation_align_size")):
         counters(cache).skipped_unaligned += 1
         return admission
-    if cut != branch:
-        counters(cache).aligned_below += 1
     counters(cache).splits += 1
     # Keep max_new_tokens: the request is charged as if it finished its prefill (over-reserving).
     return dataclasses.replace(admission, extend_len=cut - prefix, is_chunked=True)
@@ -149,17 +169,22 @@ def _add_chunked_around(original, adder, req, *args, **kwargs):
     if not two_pass_active(cache) or adder.dllm_config is not None:
         return original(adder, req, *args, **kwargs)
     n = len(req.full_untruncated_fill_ids)
-    cut = chunk_end_for_branch(req, n)
+    step = snapshot_step(cache)
+    cut = chunk_end_for_branch(req, n, step)
     if not req.prefix_len < cut < n or request_state(req).branch_cut is not None:
         # (a cut below the branch already gave the request its branch state)
         return original(adder, req, *args, **kwargs)
-    branch = cut
-    cut = _cut(adder, req, req.prefix_len, branch)
-    if cut is None:
+    if step is None:
+        branch = cut
+        cut = _cut(adder, req, req.prefix_len, branch)
+        if cut is None:
+            counters(cache).skipped_unaligned += 1
+            return original(adder, req, *args, **kwargs)
+        if cut != branch:
+            counters(cache).aligned_below += 1
+    elif not _aligned(adder, req.prefix_len, cut):
         counters(cache).skipped_unaligned += 1
         return original(adder, req, *args, **kwargs)
-    if cut != branch:
-        counters(cache).aligned_below += 1
     saved = adder.chunked_req_limit
     limit = cut - req.prefix_len
     adder.chunked_req_limit = limit if saved is None else min(saved, limit)

@@ -196,6 +196,16 @@ def _extend(cc: CpuCache, req: Req, end: int) -> None:
     req.kv.mamba_needs_clear = False
 
 
+def _chunk_end(cc: CpuCache, chunk_end, req, end: int) -> int:
+    """Marconi's two-pass rule takes the mode's snapshot grid in extra_buffer mode, as the
+    scheduler hooks pass it (`two_pass_prefill.py`)."""
+    from sglang_marconi.serving.admission import chunk_end_for_branch
+
+    if chunk_end is chunk_end_for_branch and cc.cache.enable_mamba_extra_buffer:
+        return chunk_end(req, end, cc.cache.components[MAMBA].mamba_checkpoint_grid)
+    return chunk_end(req, end)
+
+
 def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None, out_tokens=None,
                 chunk_end=None):
     """Serve one request end to end; returns (req, hit) with hit = cached prefix tokens reused.
@@ -209,7 +219,7 @@ def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None,
     while True:
         end = n if chunk_size is None else min(req.prefix_len + chunk_size, n)
         if chunk_end is not None:
-            end = chunk_end(req, end)
+            end = _chunk_end(cc, chunk_end, req, end)
         _extend(cc, req, end)
         if cc.cache.enable_mamba_extra_buffer:
             _track_extend(cc, req)

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sglang_cpu import MAMBA, build_cache, make_request  # noqa: E402
+from sglang_cpu import MAMBA, build_cache, make_request, run_request  # noqa: E402
 from sglang_cpu import node_depth as depth  # noqa: E402
 
 from sglang_marconi.serving.admission import admission_mixin  # noqa: E402
@@ -23,6 +23,7 @@ from sglang_marconi.serving.two_pass_prefill import (  # noqa: E402
     TwoPassCounters,
     branch_tracking_active,
     install_two_pass_prefill_hook,
+    snapshot_step,
     two_pass_active,
     uninstall_two_pass_prefill_hook,
 )
@@ -295,14 +296,15 @@ def test_nothing_changes_when_the_backend_is_not_marconi():
     cc.check_no_leak()
 
 
-def test_inactive_in_extra_buffer_mode():
-    from sglang_marconi.serving.faults import MarconiFaults
-
-    state = types.SimpleNamespace(index=object(), faults=MarconiFaults())
-    marked = types.SimpleNamespace(marconi=state, enable_mamba_extra_buffer=True)
-    assert not two_pass_active(marked)
-    assert two_pass_active(types.SimpleNamespace(marconi=state, enable_mamba_extra_buffer=False))
-    assert not two_pass_active(types.SimpleNamespace(enable_mamba_extra_buffer=False))
+def test_active_in_both_modes_with_each_modes_grid():
+    """no_buffer: cut at the branch (no snapshot grid); extra_buffer: cut on SGLang's 64-token
+    snapshot grid; upstream's cache or admission: untouched."""
+    no_buffer, extra_buffer = marconi(), marconi(extra_buffer=True, mamba_size=64)
+    assert two_pass_active(no_buffer.cache) and snapshot_step(no_buffer.cache) is None
+    assert two_pass_active(extra_buffer.cache) and snapshot_step(extra_buffer.cache) == 64
+    assert not two_pass_active(build_cache().cache)
+    eviction_only = marconi_component_overrides(MarconiEvictionSettings("nemotron-h-8b", choice=0.0))
+    assert not two_pass_active(build_cache(component_registry_override=eviction_only).cache)
 
 
 def test_snapshot_steering_only_with_marconis_admission_in_extra_buffer_mode():
@@ -412,3 +414,20 @@ def test_a_fault_in_admission_falls_back_to_upstreams_checkpoints(monkeypatch, c
     # Upstream's admission keeps a state per prefill chunk (on its 64-token grid), Marconi's never does.
     assert len(state_depths(cc)) > 3
     cc.check_no_leak()
+
+
+def test_extra_buffer_ends_the_chunk_one_snapshot_step_before_the_branch():
+    """extra_buffer: SGLang snapshots a state a whole number of 64-token steps into an extend. The
+    second request (hit 0, branch at 1,000) is admitted for [0, 936) only, so its next extend,
+    [936, 1200), has the branch one step in. (The first request runs through `run_request`, which
+    plays the forward pass's snapshot; the hits are checked in test_sglang_admission.py.)"""
+    cc = marconi(extra_buffer=True, mamba_size=64)
+    run_request(cc, SYSTEM + list(range(5000, 5200)), 1)
+    assert state_depths(cc) == [1152]  # its extend's last 64k snapshot, its final state
+    s = Scheduler(cc)
+    req = s.submit(SYSTEM + list(range(6000, 6200)))
+    adder, batch = s.round()
+    assert req.mamba_branching_seqlen == 1000 and batch.extend_num_tokens == 936 and s.chunked_req is req
+    assert two_pass(cc).splits == 1
+    adder, batch = s.round()  # the continuation, from one grid step before the branch to the end
+    assert batch.extend_num_tokens == 1200 - 936 and req.finished()

@@ -3,8 +3,14 @@
 our admission) replaying the same traces at several pool sizes. Prints markdown tables (docs/benchmarks.md has a run).
 
     python scripts/bench_sglang_cache.py [--quick] [--traces agent,chat,mooncake,mooncake-blocks] [--json out.json]
+    python scripts/bench_sglang_cache.py --tree-nodes 1500,6000,24000,96000 [--swa-steps 300]
 
 Full run ~9 minutes on a 2-core AMD EPYC, `--quick` ~40 s.
+
+`--tree-nodes` runs another benchmark instead: one SWA eviction step's cost against the tree's
+size, on SGLang's real SWA cache (FULL + SWA components, `tests/serving/sglang_swa_cpu.py`),
+upstream's SWA component beside Marconi's on the same trees (`swa_step_cell`); ~5 minutes for
+the four sizes above.
 
 Each request goes through the scheduler's calls on SGLang 0.5.23's own objects (the cache built by
 `tests/serving/sglang_cpu.py`: a tiny Mamba2 hybrid, no_buffer mode, page size 1, Mamba checkpoint
@@ -590,6 +596,138 @@ def auto_targets(results) -> str:
 JSON_OPS = tuple(dict.fromkeys((*OPS, PER_VICTIM, *LIKE_FOR_LIKE, *BY_VICTIM_KIND)))
 
 
+# -- one SWA eviction step against the tree's size ---------------------------------------------
+
+SWA_CONFIGS = ("upstream", "marconi")
+SWA_TREES = {  # tree family -> request generator in sglang_swa_cpu
+    "chat": "session_requests",  # multi-turn sessions: earlier windows go stale, Marconi frees those first
+    "branchy": "branch_requests",  # single-turn branches with branch-point windows: nothing stale, every step ranks
+}
+
+
+@dataclass
+class SWAStepCell:
+    config: str
+    tree: str
+    nodes: int
+    requests: int = 0
+    insert_us: float = 0.0  # thread CPU µs per insert while growing the tree (Marconi: with its upkeep)
+    first_ms: float = 0.0  # the first eviction
+    whole_tree_ms: float = math.nan  # Marconi: the from-scratch plan on this tree (what each step cost before)
+    step_ns: list = field(default_factory=list)
+    kinds: list = field(default_factory=list)  # Marconi: the victim kind of each step
+    visited: list = field(default_factory=list)  # Marconi: tree nodes the plan read per step
+
+    def stat(self, kind=None):
+        x = np.asarray([t for t, k in zip(self.step_ns, self.kinds or [None] * len(self.step_ns))
+                        if kind is None or k == kind], dtype=float) / 1e3
+        return (float(np.median(x)), float(np.percentile(x, 99)), len(x)) if len(x) else (math.nan, math.nan, 0)
+
+
+def swa_step_cell(config: str, tree: str, nodes: int, steps: int, window: int, seed: int) -> SWAStepCell:
+    """Grow SGLang's real SWA cache (upstream's or Marconi's) to `nodes` nodes with the requests of
+    `tree` (`SWA_TREES`: the same tree for both), then time `steps` calls of
+    `cache.evict(swa_num_tokens=1)`, each one SWA eviction step (a tombstone or a leaf deletion),
+    less the pool frees it drains (SGLang's CPU allocator copies its whole free list per free).
+    Times are the thread's CPU time (`time.thread_time_ns`): other processes on a shared machine
+    do not inflate them. The pools' spare slots but 4,096 are held while timing, so that those
+    free-list copies stay small: copying megabytes per step would flush the CPU caches and time
+    cold caches more than either policy (on a GPU the pools live on the device)."""
+    import sglang_swa_cpu
+
+    cell = SWAStepCell(config, tree, nodes)
+    cc = sglang_swa_cpu.build_swa_cache(kv_size=80 * nodes + 4096, swa_size=40 * nodes + 4096, window=window,
+                                        marconi=config == "marconi")
+    t0 = time.thread_time_ns()
+    requests = getattr(sglang_swa_cpu, SWA_TREES[tree])(window, seed)
+    cell.requests = sglang_swa_cpu.grow_tree(cc, nodes, requests)
+    cell.insert_us = (time.thread_time_ns() - t0) / 1e3 / cell.requests
+    cell.nodes = len(cc.tree_core._node_arena) - 1
+    drained = [0]
+    drain = cc.cache._drain_device_frees
+
+    def timed_drain(frees):
+        t = time.thread_time_ns()
+        try:
+            return drain(frees)
+        finally:
+            drained[0] += time.thread_time_ns() - t
+
+    cc.cache._drain_device_frees = timed_drain
+    t0 = time.thread_time_ns()
+    cc.evict_swa(1)
+    cell.first_ms = (time.thread_time_ns() - t0) / 1e6
+    held = [(a, a.alloc(a.available_size() - 4096))
+            for a in (cc.allocator.full_attn_allocator, cc.allocator.swa_attn_allocator)]
+    figures = cc.settings.figures if cc.settings is not None else None
+    gc.collect()
+    for _ in range(steps):
+        before = dict(vars(figures)) if figures is not None else None
+        visited = cc.plan.visited if cc.plan is not None else 0
+        drained[0] = 0
+        t = time.thread_time_ns()
+        cc.evict_swa(1)
+        cell.step_ns.append(time.thread_time_ns() - t - drained[0])
+        if figures is not None:
+            cell.kinds.append(next((k.removeprefix("evictions_") for k, v in vars(figures).items()
+                                    if k.startswith("evictions_") and v != before[k]), "none"))
+            cell.visited.append(cc.plan.visited - visited)
+    if config == "marconi":  # the reference every step used to rebuild
+        from sglang_marconi.serving.swa_component import plan_victims
+
+        t0 = time.thread_time_ns()
+        plan_victims(cc.tree_core, sglang_swa_cpu.SWA, sglang_swa_cpu.FULL, cc.settings,
+                     cc.tree_core.evictable_device_leaves)
+        cell.whole_tree_ms = (time.thread_time_ns() - t0) / 1e6
+    for allocator, slots in held:
+        allocator.free(slots)
+    cc.check_no_leak()
+    if cc.settings is not None:
+        assert cc.settings.faulted is None, cc.settings.faulted
+    return cell
+
+
+def swa_step_table(cells: list, window: int, steps: int) -> str:
+    lines = [
+        f"### One SWA eviction step against the tree's size (window {window}, {steps} steps per tree; "
+        "thread CPU µs, pool frees excluded)",
+        "",
+        "| tree | nodes | inserts | upstream µs / step (p99) | marconi µs / step (p99) | marconi vs upstream "
+        "| marconi by victim: stale / window / leaf / fallback µs (steps) | plan nodes read / step: median (max) "
+        "| first eviction ms: upstream / marconi | insert µs (incl. pool ops): upstream / marconi "
+        "| whole-tree plan ms (each step, before) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by = {}
+    for c in cells:
+        by.setdefault((c.tree, c.nodes), {})[c.config] = c
+    for (tree, nodes), row in by.items():
+        up, ours = row["upstream"], row["marconi"]
+        kinds = " / ".join(f"{ours.stat(k)[0]:.0f} ({ours.stat(k)[2]})" if ours.stat(k)[2] else "-"
+                           for k in ("stale", "window", "leaf", "fallback"))
+        seen = np.asarray(ours.visited) if ours.visited else np.zeros(1)
+        lines.append(f"| {tree} | {nodes:,} | {ours.requests:,} | {us(up.stat())} | {us(ours.stat())} "
+                     f"| {ratio(ours.stat()[0], up.stat()[0])} | {kinds} | {np.median(seen):.0f} ({seen.max():.0f}) "
+                     f"| {up.first_ms:.1f} / {ours.first_ms:.1f} | {up.insert_us:.0f} / {ours.insert_us:.0f} "
+                     f"| {ours.whole_tree_ms:.0f} |")
+    return "\n".join(lines)
+
+
+def swa_step_bench(trees, sizes, steps: int, window: int, seed: int, bar=None) -> str:
+    for tree in trees:  # first calls pay one-off costs (imports, torch kernels): outside the table
+        for config in SWA_CONFIGS:
+            swa_step_cell(config, tree, 300, 20, window, seed)
+    cells = []
+    for tree in trees:
+        for nodes in sizes:
+            row = [swa_step_cell(config, tree, nodes, steps, window, seed) for config in SWA_CONFIGS]
+            assert len({(c.nodes, c.requests) for c in row}) == 1, "the two caches grew different trees"
+            cells += row
+            if bar is not None:
+                bar.update(1)
+    return swa_step_table(cells, window, steps)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small traces, two pool sizes (~25 s)")
@@ -598,6 +736,13 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads (2 on this 2-core VM adds ms-scale stalls to tiny CPU tensor ops)")
     ap.add_argument("--json", type=Path, help="write every cell's numbers here")
+    ap.add_argument("--tree-nodes", help="instead of the traces: one SWA eviction step's cost on trees of these "
+                                         "sizes (comma-separated node counts, e.g. 1500,6000,24000,96000), "
+                                         "upstream's and Marconi's SWA component on the same trees")
+    ap.add_argument("--swa-steps", type=int, default=200, help="eviction steps timed per tree (--tree-nodes)")
+    ap.add_argument("--swa-window", type=int, default=32, help="sliding window in tokens (--tree-nodes)")
+    ap.add_argument("--swa-trees", default=",".join(SWA_TREES), help="tree families (--tree-nodes): "
+                    + "; ".join(f"{k}: sglang_swa_cpu.{v}" for k, v in SWA_TREES.items()))
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TQDM_MININTERVAL", "1")
@@ -613,6 +758,22 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.torch_threads)
     keep_malloc_arenas()
+    if args.tree_nodes:
+        sizes = [int(n) for n in args.tree_nodes.split(",") if n]
+        t_start = time.perf_counter()
+        trees = [t for t in args.swa_trees.split(",") if t]
+        unknown = set(trees) - set(SWA_TREES)
+        if unknown:
+            ap.error(f"unknown trees {sorted(unknown)}; known: {list(SWA_TREES)}")
+        bar = tqdm(total=len(sizes) * len(trees), desc="trees", unit="tree", file=sys.stderr) if tqdm else None
+        table = swa_step_bench(trees, sizes, args.swa_steps, args.swa_window, seed=0, bar=bar)
+        if bar is not None:
+            bar.close()
+        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+              f"{platform.python_implementation()} {platform.python_version()}, torch {torch.__version__}, "
+              f"threads {torch.get_num_threads()}; wall {time.perf_counter() - t_start:.0f} s\n")
+        print(table)
+        return 0
     profile = _profile()
     t_start = time.perf_counter()
     warm_up(chunk)

@@ -13,22 +13,28 @@ windows: a request whose full-KV match runs past its SWA-valid match (a new bran
 and every finished request keeps the window before its last token. `swa_retain_floor` adds that a
 request never frees the window before its branch point before that insertion.
 
-Eviction under SWA pressure (`MarconiSWAComponent`), one plan per step over the tree:
-- reuse points are leaves (the last decoded token of a branch) and nodes with several children
-  (branch points); a node's window is the nodes up from it covering `window` tokens;
-- SWA KV in no reuse point's window is stale (no hit can read it): freed first, oldest first;
-- a node inside a leaf's last window is never tombstoned: the candidate is the leaf itself,
-  deleted whole (full KV and SWA), and its ancestors' window becomes stale only then;
-- the other candidates are a branch point's window (its nodes in no other live window) and a
-  leaf; each scores `norm(recency) + alpha * norm(FLOPs saved / bytes freed)` (the policy core's
-  `marconi_scores`), FLOPs saved = prefill FLOPs from the nearest reuse point above to this one;
-  the lowest goes first;
+Eviction under SWA pressure (`MarconiSWAComponent`): the rule of `policy/window_plan.py` (stale
+SWA KV first, oldest first; a leaf's last window is never tombstoned: the leaf goes whole; branch
+windows and leaves ranked by recency + alpha x FLOPs saved per byte freed), kept incrementally by
+a `WindowPlan` per cache. This module only translates SGLang's nodes and hooks into it:
+- the plan is bound when the cache is built (an empty tree), and again after a reset (at the
+  next release or eviction: one walk over what the tree then holds);
+- hooks, each O(1) (the lock hooks walk the lock's own segment, as SGLang does): a new leaf
+  (`commit_insert_component_data`), a split (`redistribute_on_node_split`), a deletion
+  (`discard_deleted_session_leaf`), SWA KV freed or set (`evict_component`,
+  `apply_component_action`), SWA locks (`acquire_component_lock`, `release_component_lock`,
+  `release_window_lock`: every node of the segment), recency (`refresh_lru` on the insert walk,
+  `finalize_match_result_in_tree_core` after a match stamps its path), and leaf evictability (the
+  tree core's evictable-leaf set is wrapped so that every add or discard is reported: FULL-only
+  lock changes reach no SWA hook);
+- each eviction step flushes what changed (bounded work per change, independent of the tree's
+  size) and takes the plan's next victim; a cache release flushes too, off the allocation path;
 - with nothing of ours left (everything locked, or held only by locked windows) the step is
   upstream's LRU walk, so an allocation never fails where upstream's would succeed; an exception
-  in the plan costs one warning and hands every later walk to upstream (`marconi_fault`).
-The plan is rebuilt at every step (O(nodes)): fine for the trees of a CPU test server, a
-candidate index like `eviction_components.MarconiTreeIndex` is the step for large trees.
-Full-KV pressure keeps SGLang's leaf LRU.
+  in the plan or a hook costs one warning and hands every later walk to upstream
+  (`marconi_fault`).
+`plan_victims` is the from-scratch order (`window_plan.reference_plan`) on SGLang's tree: the
+reference, for tests. Full-KV pressure keeps SGLang's leaf LRU.
 
 Imports SGLang lazily (classes built on first use).
 """
@@ -39,9 +45,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
-import numpy as np
-
-from sglang_marconi.policy.candidate_index import marconi_scores
+from sglang_marconi.policy.window_plan import LEAF, STALE, WindowPlan, reference_plan
 
 log = logging.getLogger("sglang_marconi")
 DEFAULT_SWA_ALPHA = 1.0  # no online tuning for windows in the server yet: a fixed FLOP weight
@@ -123,90 +127,84 @@ class SWASettings:
             self.faulted = repr(exc)
 
 
-def _window_nodes(node, root, window: int) -> list:
-    """`node` and its ancestors covering the `window` tokens before its end."""
-    out, covered = [], 0
-    while node is not root and covered < window:
-        out.append(node)
-        covered += len(node.key)
-        node = node.parent
-    return out
+class SGLangWindowView:
+    """What the window plan reads of SGLang's nodes (duck-typed: no SGLang import). `arena`:
+    the tree core's id -> node map (None: every node is taken as alive)."""
+
+    __slots__ = ("_swa", "_leaves", "_arena")
+
+    def __init__(self, swa_type, evictable_leaves, arena=None):
+        self._swa, self._leaves, self._arena = swa_type, evictable_leaves, arena
+
+    def live(self, node) -> bool:
+        data = node.component_data[self._swa]
+        return data.value is not None and data.lock_ref == 0
+
+    def evictable_leaf(self, node) -> bool:
+        return node in self._leaves
+
+    def recency(self, node) -> float:
+        return node.last_access_time
+
+    def alive(self, node) -> bool:
+        return self._arena is None or self._arena.get(node.id) is node
+
+
+class LeafSetWatch(set):
+    """The tree core's evictable-leaf set, reporting each change of membership (`on_change(node)`):
+    a leaf's evictability also changes with FULL-only locks, which reach no SWA hook."""
+
+    __slots__ = ("on_change",)
+
+    def __init__(self, leaves, on_change):
+        super().__init__(leaves)
+        self.on_change = on_change
+
+    def add(self, node) -> None:
+        if node not in self:
+            set.add(self, node)
+            self.on_change(node)
+
+    def discard(self, node) -> None:
+        if node in self:
+            set.discard(self, node)
+            self.on_change(node)
 
 
 def plan_victims(tree_core, ct, full_ct, settings: SWASettings, evictable_leaves) -> list[tuple[str, list]]:
-    """Victims in eviction order: ("stale" | "window", nodes to tombstone) or ("leaf", [leaf])."""
-    root, window, profile = tree_core.root_node, settings.window, settings.profile
-    ends, nodes, stack = {root.id: 0}, [], [root]
-    while stack:  # every node with its end position (tokens from the root)
-        node = stack.pop()
-        for child in node.children.values():
-            ends[child.id] = ends[node.id] + len(child.key)
-            nodes.append(child)
-            stack.append(child)
-
-    def live(n):
-        cd = n.component_data[ct]
-        return cd.value is not None and cd.lock_ref == 0
-
-    leaves = [n for n in nodes if not n.children]
-    branches = [n for n in nodes if len(n.children) > 1]
-    in_leaf_window = {w.id for leaf in leaves for w in _window_nodes(leaf, root, window)}
-    branch_windows = {b.id: _window_nodes(b, root, window) for b in branches}
-    owners: dict[int, int] = {}
-    for nodes_of_b in branch_windows.values():
-        for w in nodes_of_b:
-            owners[w.id] = owners.get(w.id, 0) + 1
-
-    stale = [n for n in nodes if n.children and live(n) and n.id not in in_leaf_window and n.id not in owners]
-    stale.sort(key=lambda n: (n.last_access_time, n.id))
-    plan = [("stale", [n]) for n in stale]
-
-    def anchor_end(n):  # the nearest reuse point above n (a branch point), or the root
-        p = n.parent
-        while p is not root and len(p.children) < 2:
-            p = p.parent
-        return ends[p.id]
-
-    candidates, recency, efficiency = [], [], []
-    for b in branches:
-        freeable = [w for w in branch_windows[b.id] if live(w) and owners[w.id] == 1 and w.id not in in_leaf_window]
-        if not freeable:
-            continue
-        freed = profile.swa_kv_bytes_per_token * sum(len(w.key) for w in freeable)
-        candidates.append(("window", freeable))
-        recency.append(b.last_access_time)
-        efficiency.append(profile.prefill_flops(anchor_end(b), ends[b.id]) / max(freed, 1))
-    for leaf in leaves:
-        if leaf not in evictable_leaves or not live(leaf):
-            continue
-        freed = (profile.kv_bytes_per_token + profile.swa_kv_bytes_per_token) * len(leaf.key)
-        candidates.append(("leaf", [leaf]))
-        recency.append(leaf.last_access_time)
-        efficiency.append(profile.prefill_flops(anchor_end(leaf), ends[leaf.id]) / max(freed, 1))
-    if candidates:
-        scores = marconi_scores(np.asarray(recency, float), np.asarray(efficiency, float), settings.alpha)
-        order = sorted(range(len(candidates)), key=lambda i: (scores[i], candidates[i][1][0].id))
-        plan += [candidates[i] for i in order]
-    return plan
+    """Victims in eviction order, from scratch (`window_plan.reference_plan`): ("stale" | "window",
+    nodes to tombstone) or ("leaf", [leaf]). The reference the incremental plan is checked against."""
+    view = SGLangWindowView(ct, evictable_leaves)
+    return reference_plan(tree_core.root_node, settings.window, view, settings.profile, settings.alpha)
 
 
 @functools.lru_cache(maxsize=1)
 def marconi_swa_component_class():
-    from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
-    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+    from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, LRURefreshPhase
     from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
 
     class MarconiSWAComponent(SWAComponent):
         marconi_swa_settings: SWASettings = None  # set on the subclass the factory builds
+        marconi_plan: WindowPlan | None = None  # bound by `marconi_start` (the factory), or at the first eviction
 
+        # -- the walk ----------------------------------------------------------------------
         def _evict_device_start(self, request_cnt: int) -> None:
             self._marconi_pending: list = []
             self._marconi_upstream = bool(self.tree_core.enable_session_radix_cache or self.tree_core.enable_hicache)
             if self._marconi_upstream or self.marconi_swa_settings.faulted:
                 self._marconi_upstream = True
+                if self.marconi_plan is not None:  # host tiers and sessions are not modelled: stop keeping it
+                    self.marconi_plan.detach()
                 return super()._evict_device_start(request_cnt)
             self._evict_device_request_cnt = request_cnt
             self._evict_device_cursor = None
+            try:
+                if self.marconi_plan is None or self.marconi_plan.root is not self.tree_core.root_node:
+                    self._marconi_bind()
+            except Exception as exc:
+                self._marconi_fault(exc)
+                self._marconi_upstream = True
+                super()._evict_device_start(request_cnt)
 
         def _evict_device_end(self) -> None:
             self._marconi_pending = []
@@ -219,6 +217,7 @@ def marconi_swa_component_class():
             if tracker[ct] >= self._evict_device_request_cnt:
                 return None
             settings = self.marconi_swa_settings
+            unusable = None  # a victim whose every node was skipped: the plan must not repeat it
             while True:
                 while self._marconi_pending:
                     node = self._marconi_pending.pop(0)
@@ -227,20 +226,27 @@ def marconi_swa_component_class():
                         continue
                     self._tombstone(node, tracker, device_frees, host_frees, cache_actions)
                     return None
-                try:
-                    plan = plan_victims(self.tree_core, ct, ComponentType.FULL, settings,
-                                        self.tree_core.evictable_device_leaves)
-                except Exception as exc:  # Marconi's own fault: upstream's eviction from now on
-                    settings.fault(exc)
-                    plan = []
-                if not plan:
+                victim = None
+                if not settings.faulted:
+                    try:
+                        victim = self.marconi_plan.next_victim(settings.alpha)
+                        if victim is not None and unusable is not None and victim[1] == unusable:
+                            raise RuntimeError(f"SWA plan repeats a victim it cannot evict: {victim}")
+                    except Exception as exc:  # Marconi's own fault: upstream's eviction from now on
+                        self._marconi_fault(exc)
+                        victim = None
+                if victim is None:
                     break
-                kind, nodes = plan[0]
-                if kind == "leaf":
+                kind, nodes = victim
+                if kind == LEAF:
                     settings.figures.evictions_leaf += 1
                     return nodes[0].id
-                setattr(settings.figures, f"evictions_{kind}", getattr(settings.figures, f"evictions_{kind}") + 1)
+                if kind == STALE:
+                    settings.figures.evictions_stale += 1
+                else:
+                    settings.figures.evictions_window += 1
                 self._marconi_pending = list(nodes)
+                unusable = nodes
             # Nothing of ours left: upstream's LRU step from the LRU tail.
             settings.figures.evictions_fallback += 1
             self._marconi_upstream = True
@@ -253,6 +259,153 @@ def marconi_swa_component_class():
                 host_frees=host_frees, cache_actions=cache_actions)
             self.tree_core._cascade_evict(node, self, tracker, device_frees=device_frees,
                                           host_frees=host_frees, cache_actions=cache_actions)
+
+        # -- the plan --------------------------------------------------------------------------
+        def _marconi_bind(self) -> None:
+            tree_core = self.tree_core
+            plan = self.marconi_plan
+            if plan is None:
+                plan = WindowPlan(self.marconi_swa_settings.window, None, self.marconi_swa_settings.profile)
+            if not isinstance(tree_core.evictable_device_leaves, LeafSetWatch):
+                tree_core.evictable_device_leaves = LeafSetWatch(tree_core.evictable_device_leaves,
+                                                                 self._marconi_leaf)
+            plan.view = SGLangWindowView(self.component_type, tree_core.evictable_device_leaves, tree_core._node_arena)
+            plan.bind(tree_core.root_node)
+            self.marconi_plan = plan
+
+        def marconi_start(self) -> None:
+            """Bind the plan now, to the (empty) tree: from then on each change costs its share,
+            never a whole-tree evaluation at the first eviction."""
+            if self.marconi_swa_settings.faulted:
+                return
+            try:
+                self._marconi_bind()
+            except Exception as exc:
+                self._marconi_fault(exc)
+
+        def marconi_upkeep(self) -> None:
+            """Flush what changed since the last step (a safe point: the tree is consistent), or
+            rebind after a reset (the tree is new, and small)."""
+            plan = self.marconi_plan
+            if plan is None or plan.root is None or self.marconi_swa_settings.faulted:
+                return
+            try:
+                if plan.root is not self.tree_core.root_node:
+                    self._marconi_bind()
+                else:
+                    plan.flush()
+            except Exception as exc:
+                self._marconi_fault(exc)
+
+        def _marconi_fault(self, exc: BaseException) -> None:
+            self.marconi_swa_settings.fault(exc)
+            if self.marconi_plan is not None:
+                self.marconi_plan.detach()
+
+        # Hooks run on every tree mutation: each records into the plan (a dict insert; no-ops
+        # while the plan is unbound), under the fault guard.
+        def _marconi_leaf(self, node) -> None:
+            plan = self.marconi_plan
+            if plan is not None:
+                try:
+                    plan.touched(node)
+                except Exception as exc:
+                    self._marconi_fault(exc)
+
+        def _marconi_touch_segment(self, node, lock_uuid, by_window: bool) -> None:
+            # The nodes a lock's acquire (by_window: the window's worth) or release (up to the node
+            # holding lock_uuid, or the root) walks: their SWA KV became locked or unlocked.
+            plan = self.marconi_plan
+            if plan is None or plan.root is None:
+                return
+            try:
+                root, ct, covered, cur = self.tree_core.root_node, self.component_type, 0, node
+                while cur is not root and cur is not None:
+                    plan.touched(cur)
+                    if by_window:
+                        covered += len(cur.key)
+                        if covered >= self.sliding_window_size:
+                            break
+                    elif lock_uuid and cur.component_data[ct].metadata.get("uuid") == lock_uuid:
+                        break
+                    cur = cur.parent
+            except Exception as exc:
+                self._marconi_fault(exc)
+
+        # -- hooks -----------------------------------------------------------------------------
+        def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
+            plan = self.marconi_plan
+            if is_new_leaf and plan is not None:  # before SGLang may split the new leaf: its parent grew
+                try:
+                    plan.added(node)
+                except Exception as exc:
+                    self._marconi_fault(exc)
+            super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
+
+        def redistribute_on_node_split(self, new_parent, child):
+            super().redistribute_on_node_split(new_parent, child)
+            plan = self.marconi_plan
+            if plan is not None:
+                try:
+                    plan.split(new_parent, child)
+                except Exception as exc:
+                    self._marconi_fault(exc)
+
+        def discard_deleted_session_leaf(self, node) -> None:
+            super().discard_deleted_session_leaf(node)
+            plan = self.marconi_plan
+            if plan is not None:
+                try:
+                    plan.removed(node)
+                except Exception as exc:
+                    self._marconi_fault(exc)
+
+        def evict_component(self, node, *args, **kwargs):
+            freed = super().evict_component(node, *args, **kwargs)
+            self._marconi_leaf(node)
+            return freed
+
+        def apply_component_action(self, action) -> None:
+            super().apply_component_action(action)
+            node_id = getattr(action, "node_id", None)
+            if node_id is not None and self.marconi_plan is not None:
+                node = self.tree_core._node_arena.get(node_id)
+                if node is not None:
+                    self._marconi_leaf(node)
+
+        def acquire_component_lock(self, node, result, lock_host: bool = False):
+            result = super().acquire_component_lock(node, result, lock_host)
+            if not lock_host:
+                self._marconi_touch_segment(node, None, by_window=True)
+            return result
+
+        def release_component_lock(self, node, params, lock_host: bool = False) -> None:
+            super().release_component_lock(node, params, lock_host)
+            if not lock_host and node is not self.tree_core.root_node:
+                self._marconi_touch_segment(node, params.get_lock_uuid(self.component_type), by_window=False)
+
+        def release_window_lock(self, node, swa_uuid_for_lock, *args, **kwargs) -> None:
+            super().release_window_lock(node, swa_uuid_for_lock, *args, **kwargs)
+            self._marconi_touch_segment(node, swa_uuid_for_lock, by_window=False)
+
+        def refresh_lru(self, phase, node, root_node) -> None:
+            super().refresh_lru(phase, node, root_node)
+            plan = self.marconi_plan
+            if plan is not None and phase == LRURefreshPhase.WALKDOWN:
+                try:
+                    plan.stamped(node)
+                except Exception as exc:
+                    self._marconi_fault(exc)
+
+        def finalize_match_result_in_tree_core(self, result, *args, **kwargs):
+            result = super().finalize_match_result_in_tree_core(result, *args, **kwargs)
+            plan = self.marconi_plan
+            if plan is not None:
+                try:
+                    plan.path_stamped(result.best_match_node)
+                except Exception as exc:
+                    self._marconi_fault(exc)
+            return result
 
     MarconiSWAComponent.__qualname__ = MarconiSWAComponent.__name__
     return MarconiSWAComponent
@@ -274,6 +427,13 @@ def marconi_swa_cache_class():
                 return base
             floor = max(0, branch - self.marconi_swa_window) // self.page_size * self.page_size
             return floor if base is None else min(base, floor)
+
+        def on_release(self, req, *, checkpointed):
+            super().on_release(req, checkpointed=checkpointed)
+            # Bring the eviction plan up to date now, off the next allocation's path.
+            component = getattr(self, "marconi_swa_component", None)
+            if component is not None:
+                component.marconi_upkeep()
 
     MarconiSWARadixCache.__qualname__ = MarconiSWARadixCache.__name__
     return MarconiSWARadixCache
@@ -304,6 +464,8 @@ def marconi_swa_radix_cache_factory(ctx, config, fallback):
                                               ComponentType.SWA: component}
     cache = create_unified_radix_cache(ctx, cache_class=marconi_swa_cache_class())
     cache.marconi_swa_window = window
+    cache.marconi_swa_component = cache.tree_core.components_by_type[ComponentType.SWA]
+    cache.marconi_swa_component.marconi_start()
     runtime = SWARuntime(settings)
     runtime.figures = figures
     cache.marconi_runtime = runtime

@@ -7,7 +7,11 @@ healthy. `Cluster.stop()` stops every process group it started: SIGTERM, a short
 (smg 1.13.0 may take longer than 10 s to exit on SIGTERM; SGLang leaves stragglers).
 
 `main` (what `scripts/serve_cluster.sh` runs) does the same in the foreground until SIGTERM, SIGINT
-(Ctrl-C) or SIGHUP, or until any process it started exits, and then stops them all.
+(Ctrl-C) or SIGHUP, or until any process it started exits, and then stops them all. There smg
+listens on a free port of its own, and --port is bound only once smg counts every worker healthy and
+routes a generation (a `PortForwarder` relays --port to smg from then on): smg listens, and answers
+/health, as soon as it starts, and answers `404 model_not_found` until its workers register (about
+3 s later here). So a client that can connect to --port is served.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import requests
 
 from live_server import (CPU_FLAGS, LAUNCHERS, LiveServer, ServerFailed, cpu_engine_env, free_port,
                          parallel_ranks)
+from port_forward import PortForwarder
 
 GATEWAY_GRACE_S = 3.0  # smg drains in-flight requests on SIGTERM; the cluster is stopping anyway
 WORKER_GRACE_S = 10.0
@@ -134,9 +139,13 @@ def _worker_ready(server: LiveServer) -> bool:
 
 
 def gateway_ready(gateway: LiveServer, workers: int) -> bool:
+    """smg counts `workers` healthy workers (/readiness: 200 from the first one on) and routes a
+    generation to one of them (/health_generate). Its /health answers 200 from its start on."""
     try:
         r = requests.get(gateway.url + "/readiness", timeout=10)
-        return r.status_code == 200 and r.json().get("healthy_workers") == workers
+        if r.status_code != 200 or r.json().get("healthy_workers") != workers:
+            return False
+        return requests.get(gateway.url + "/health_generate", timeout=60).status_code == 200
     except (requests.RequestException, ValueError):
         return False
 
@@ -206,7 +215,9 @@ def parse_cluster_args(argv):
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--port", type=int, default=30000, help="the gateway's port")
+    p.add_argument("--port", type=int, default=30000,
+                   help="the gateway's port, bound once every worker serves through it")
+    p.add_argument("--host", default="127.0.0.1", help="the address --port listens on")
     p.add_argument("--worker-base-port", type=int, help="workers on this port and up (default: --port + 1)")
     p.add_argument("--policy", default="cache_aware", help="smg's routing policy")
     p.add_argument("--kind", default="gated-delta", choices=KINDS)
@@ -235,6 +246,7 @@ def main(argv=None) -> int:
     args, gateway_args, worker_args = parse_cluster_args(sys.argv[1:] if argv is None else argv)
     ports = args.ports
     started: list[LiveServer] = []
+    forwarder: PortForwarder | None = None
 
     def stop(signum, _frame):
         raise SystemExit(128 + signum)
@@ -251,17 +263,26 @@ def main(argv=None) -> int:
                                         log_path=None, threads=threads))
         print(f"starting {args.workers} {args.launcher} worker(s) on {', '.join(w.url for w in started)}", flush=True)
         wait_ready(started, time.monotonic() + args.ready_timeout)
-        gateway = spawn_gateway(args.port, [w.url for w in started], policy=args.policy,
+        # smg on a port of its own; --port opens only when smg serves every worker (see the docstring).
+        internal = next(port for port in iter(free_port, None) if port not in ports)
+        gateway = spawn_gateway(internal, [w.url for w in started], policy=args.policy,
                                 extra_args=gateway_args, log_path=None)
         started.insert(0, gateway)
-        wait_ready([gateway], time.monotonic() + 60, lambda g: gateway_ready(g, args.workers))
-        print(f"smg ({args.policy}) serving {model} on http://127.0.0.1:{args.port} "
-              f"over {args.workers} worker(s)", flush=True)
+        wait_ready([gateway], time.monotonic() + 120, lambda g: gateway_ready(g, args.workers))
+        try:
+            forwarder = PortForwarder(args.host, args.port, internal)
+        except OSError as e:
+            raise ServerFailed(f"cannot listen on {args.host}:{args.port}: {e}") from None
+        print(f"smg ({args.policy}) serving {model} on http://{args.host}:{args.port} "
+              f"over {args.workers} worker(s) (smg itself on {gateway.url})", flush=True)
         while True:  # until a signal, or until any process exits (then the cluster is broken: stop it)
             for s in started:
                 if s.process.poll() is not None:
                     print(f"{s.url} exited with {s.process.returncode}; stopping the cluster", file=sys.stderr)
                     return 1
+            if not forwarder.alive:
+                print(f"the relay on port {args.port} stopped; stopping the cluster", file=sys.stderr)
+                return 1
             time.sleep(1.0)
     except ServerFailed as e:
         print(f"cluster failed to start: {e}", file=sys.stderr)
@@ -270,6 +291,8 @@ def main(argv=None) -> int:
         # Signals again while stopping must not interrupt the stop.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
+        if forwarder is not None:
+            forwarder.close()  # first: no new connection reaches a stopping gateway
         stop_all(started)
 
 

@@ -4,7 +4,10 @@ with a 32-token window, 1 global layer), SGLang's SWA cache component with Marco
 (`sglang_marconi/serving/swa_component.py`).
 
 One server, with an SWA pool of about 400 tokens (`--swa-full-tokens-ratio`), so that the
-pressure test evicts windows while the others (each starting from an empty cache) do not.
+pressure tests evict windows while the others (each starting from an empty cache) do not; the
+flood test also runs its request sequence against upstream's server (`python -m
+sglang.launch_server`, SGLang's own SWA eviction, same flags) and holds it to losing what ours
+keeps.
 
 Also here (no server): the CPU stand-in that lets torch_native read sliding-window layers from
 SGLang's SWA pool (`tests/cpu_engine/torch_kernels/swa_attention.py`), against SDPA over the
@@ -102,6 +105,13 @@ def test_swa_reads_through_swa_slots_match_windowed_sdpa():
 @pytest.fixture(scope="module")
 def swa_server(tiny_model, launch):
     server = launch(tiny_model("sliding-window"), launcher="marconi", extra_args=SWA_FLAGS)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def upstream_swa_server(tiny_model, launch):
+    server = launch(tiny_model("sliding-window"), launcher="sglang", extra_args=SWA_FLAGS)
     yield server
     server.stop()
 
@@ -222,4 +232,48 @@ def test_under_swa_pressure_hits_never_cross_a_broken_window(swa_server):
     assert_warm_equals_cold(url, runs)
     # SGLang's own pool accounting (checked whenever the scheduler idles) found every full-KV and
     # SWA slot free, cached or held by a request: no page leaked by Marconi's tombstones.
+    assert "leak detected" not in swa_server.log_path.read_text(errors="replace")
+
+
+# Replies longer than a window: a finished request's leaf is then the window before its end. (A
+# reply of a few tokens makes a leaf of those few tokens, whose FLOPs, counted from the branch
+# point above, per byte of its tiny edge outrank any window: the rule's measure, not this test's.)
+REPLY = 40
+
+
+def _shared_prompt_after_flood(url) -> tuple[list, object]:
+    """Three users continue a long shared prompt, then 20 short unrelated requests (more SWA KV
+    than the pool holds) go through; returns every response and a new user's response on the
+    shared prompt after the flood."""
+    from http_api import flush_cache, generate
+
+    flush_cache(url)
+    shared = tokens(5, 4 * SLIDING_WINDOW)
+    runs = [generate(url, shared + [20 + i] + tokens(800 + i, 100), max_new_tokens=REPLY) for i in range(3)]
+    runs += [generate(url, tokens(900 + i, 40), max_new_tokens=REPLY) for i in range(20)]
+    after = generate(url, shared + [70] + tokens(990, 10), max_new_tokens=6)
+    return runs, after
+
+
+def test_shared_prompt_survives_a_flood_that_upstream_loses_it_to(swa_server, upstream_swa_server):
+    from http_api import marconi_figures
+
+    shared = 4 * SLIDING_WINDOW
+    before = marconi_figures(swa_server.url)
+    runs, after = _shared_prompt_after_flood(swa_server.url)
+    figures = marconi_figures(swa_server.url)
+    evicted = sum(figures[f"marconi_evictions_{k}"] - before[f"marconi_evictions_{k}"]
+                  for k in ("stale", "window", "leaf", "fallback"))
+    assert evicted > 0, f"no SWA eviction: no pressure ({figures})"
+    assert runs[2].cached_tokens == shared  # the branch point's window was in the tree before the flood
+    # Ours: the shared prompt's window (FLOPs saved per byte: a long prefix for a few tokens of
+    # SWA KV) outranks the flood's leaves, which go instead.
+    assert after.cached_tokens == shared, [r.cached_tokens for r in runs + [after]]
+    assert_warm_equals_cold(swa_server.url, runs + [after])
+    # Upstream, the same sequence: its LRU walk frees the oldest SWA KV first, the shared
+    # prompt's window among it, so the new user recomputes it (a hit at most up to a point
+    # whose window some request left behind).
+    up_runs, up_after = _shared_prompt_after_flood(upstream_swa_server.url)
+    assert up_runs[2].cached_tokens == shared
+    assert up_after.cached_tokens < shared, [r.cached_tokens for r in up_runs + [up_after]]
     assert "leak detected" not in swa_server.log_path.read_text(errors="replace")

@@ -1,7 +1,9 @@
-"""Marconi's victim order under SWA-pool pressure (`serving/swa_component.plan_victims`), on small
-trees of stand-in nodes shaped like SGLang's (`key`, `children`, `parent`, per-component data):
-stale windows first, never a tombstone inside a branch's last window (SGLang #35515), branch-point
-windows and leaves ranked by recency + alpha x FLOPs saved per byte, locked data never touched."""
+"""Marconi's victim order under SWA-pool pressure (`serving/swa_component.plan_victims`, the
+reference of `policy/window_plan.py`), on small trees of stand-in nodes shaped like SGLang's
+(`key`, `children`, `parent`, per-component data): stale windows first, never a tombstone inside
+a branch's last window (SGLang #35515), branch-point windows and leaves ranked by recency + alpha
+x FLOPs saved per byte, locked data never touched. The incremental `WindowPlan` on the same
+nodes, told of changes by hand as an engine would, equals the reference."""
 
 from __future__ import annotations
 
@@ -104,3 +106,80 @@ def test_a_fault_is_reported_once_and_named():
     s.fault(ValueError("boom"))
     s.fault(KeyError("later"))
     assert s.faulted == "ValueError('boom')"
+
+
+# -- the incremental plan (policy/window_plan.py) on the same stand-in nodes, no engine --------
+
+class StandInView:
+    """`WindowView` over the stand-in nodes; `gone` holds the ids taken out of the tree."""
+
+    def __init__(self, evictable=None):
+        self.evictable, self.gone = evictable, set()
+
+    def live(self, n):
+        cd = n.component_data[SWA]
+        return cd.value is not None and cd.lock_ref == 0
+
+    def evictable_leaf(self, n):
+        return (not n.children) if self.evictable is None else any(n is e for e in self.evictable)
+
+    def recency(self, n):
+        return n.last_access_time
+
+    def alive(self, n):
+        return n.id not in self.gone
+
+
+def bound_plan(root, alpha=1.0):
+    from sglang_marconi.policy.window_plan import WindowPlan
+
+    plan = WindowPlan(WINDOW, StandInView(), settings(alpha).profile)
+    plan.bind(root)
+    return plan
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0, 100.0])
+def test_incremental_plan_equals_the_reference_on_stand_in_trees(alpha):
+    root = node(None, 0, t=0)
+    trunk = node(root, 30, t=5)
+    a = node(trunk, 20, t=6)
+    b = node(trunk, 3, t=7)
+    old = node(b, 20, t=1)
+    node(old, 6, t=8)
+    node(root, 400, t=2)
+    plan = bound_plan(root, alpha)
+    plan.check(alpha)
+    first = plan_victims(SimpleNamespace(root_node=root), SWA, FULL, settings(alpha), _leaves(root))[0]
+    kind, nodes = plan.next_victim(alpha)
+    assert (kind, [n.id for n in nodes]) == (first[0], [n.id for n in first[1]])
+    # A leaf goes (engine: delete it, then tell the plan), another grows under a branch point.
+    plan.view.gone.add(a.id)
+    del trunk.children[a.id]
+    plan.removed(a)
+    plan.check(alpha)
+    c = node(trunk, 12, t=9)
+    plan.added(c)
+    c.component_data[SWA].lock_ref = 1
+    plan.touched(c)
+    plan.check(alpha)
+
+
+def test_a_branch_point_that_loses_a_branch_leaves_a_stale_window_behind():
+    # The trunk's window is a branch window while it has two children; once one goes, the other
+    # is far below (its chain is longer than the window): the trunk's SWA KV is stale, first out.
+    root = node(None, 0, t=0)
+    trunk = node(root, 30, t=5)
+    a = node(trunk, 20, t=6)
+    b = node(trunk, 20, t=7)
+    plan = bound_plan(root)
+    assert plan.next_victim(1.0)[0] != "stale"
+    plan.view.gone.add(a.id)
+    del trunk.children[a.id]
+    plan.removed(a)
+    kind, nodes = plan.next_victim(1.0)
+    assert (kind, [n.id for n in nodes]) == ("stale", [trunk.id])
+    plan.check(1.0)
+    trunk.component_data[SWA].value = None  # the engine tombstones it
+    plan.touched(trunk)
+    kind, nodes = plan.next_victim(1.0)
+    assert (kind, [n.id for n in nodes]) == ("leaf", [b.id])

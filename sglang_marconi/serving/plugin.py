@@ -158,7 +158,7 @@ def marconi_radix_cache_factory(ctx):
     if swa_only:  # global + sliding-window attention, no SSM layers (serving/swa_component.py)
         from sglang_marconi.serving.swa_component import marconi_swa_radix_cache_factory
 
-        return marconi_swa_radix_cache_factory(ctx, MarconiServingConfig.from_env(), upstream_cache)
+        return marconi_swa_radix_cache_factory(ctx, MarconiServingConfig.from_env(), upstream_cache, group)
     profile, why = _profile_or_reason(ctx.model_config.hf_config)
     if profile is None:
         return upstream_cache(ctx, why)

@@ -295,6 +295,20 @@ def _track_decode(cc: CpuCache, req: Req) -> None:
         kv.mamba_next_track_idx = cc.req_to_token_pool.get_mamba_ping_pong_other_idx(kv.mamba_last_track_idx)
 
 
+def track_decode_span(cc: CpuCache, req: Req, start: int, end: int) -> None:
+    """Extra-buffer mode: the decode snapshots of tokens [start, end) decoded in one go (what
+    `_track_decode` does one token at a time, at each grid boundary crossed)."""
+    from sglang.srt.runtime_context import mamba_track_grid
+
+    grid = mamba_track_grid(1)
+    kv = req.kv
+    for boundary in range((start // grid + 1) * grid, end + 1, grid):
+        kv.mamba_prev_track_seqlen = kv.mamba_last_track_seqlen
+        kv.mamba_last_track_seqlen = boundary
+        kv.mamba_last_track_idx = kv.mamba_next_track_idx
+        kv.mamba_next_track_idx = cc.req_to_token_pool.get_mamba_ping_pong_other_idx(kv.mamba_last_track_idx)
+
+
 def result_in_spawned_process(target, timeout: float = 120):
     """Run `target(queue)` in a fresh `spawn` process, as SGLang starts its schedulers, and
     return what it put on the queue."""

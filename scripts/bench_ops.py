@@ -1,5 +1,7 @@
 """Operation-cost benchmark of the policy core: microseconds per lookup (match + speculative
-insertion), admit (insert), and eviction (per evicted node) on trees of 1k, 10k and 100k nodes.
+insertion), admit (insert), and eviction (per evicted node) on trees of 1k, 10k and 100k nodes;
+and the cross-kind choice of one byte budget (`candidate_index.lowest_across`, KV leaves and SSM
+states ranked together) beside one index's choice (`CandidateIndex.lowest`) at the same sizes.
 
     python scripts/bench_ops.py [--sizes 1000,10000,100000] [--alphas 0,1]
 
@@ -16,6 +18,7 @@ import time
 
 import numpy as np
 
+from sglang_marconi.policy.candidate_index import CandidateIndex, lowest_across
 from sglang_marconi.policy.eviction import FlopAwareEviction
 from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.model_profile import load_profile
@@ -74,6 +77,21 @@ def bench(size, alpha, profile, repeats):
     return n_nodes, candidates, match_us, insert_us, evict_us
 
 
+def choice_across_kinds(size, alpha, repeats):
+    """Median microseconds of one choice over two indexes of `size` candidates each (one byte
+    budget), and of one choice over one index of `size`, in the same run."""
+    rng = np.random.default_rng(size)
+    indexes = []
+    for _ in range(2):
+        index = CandidateIndex()
+        for i in range(size):
+            index.add(i, float(rng.random()), float(rng.random()))
+        indexes.append(index)
+    across = timed(lambda i: lowest_across(indexes, alpha), repeats)
+    one = timed(lambda i: indexes[0].lowest(alpha), repeats)
+    return float(np.median(across)), float(np.median(one))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1000,10000,100000")
@@ -95,6 +113,11 @@ def main(argv=None) -> int:
         base.setdefault(alpha, float(np.median(ev)))
         print(f"| {n_nodes:,} | {cands:,} | {alpha:g} | {med(m)} | {med(ins)} | {med(ev)} "
               f"| {np.median(ev) / base[alpha]:.1f}x |", flush=True)
+    print("\n| candidates per kind | alpha | choice across both kinds µs | one kind's choice µs | ratio |")
+    print("|---|---|---|---|---|")
+    for size, alpha in cells:
+        across, one = choice_across_kinds(size, alpha, min(args.repeats, 500))
+        print(f"| {size:,} | {alpha:g} | {across:.1f} | {one:.1f} | {across / one:.2f}x |", flush=True)
     return 0
 
 

@@ -1,24 +1,22 @@
 """SGLang's real hybrid prefix cache on CPU: upstream LRU (Python and Rust tree cores) vs Marconi
 (our FULL/MAMBA components + admission: alpha fixed at 0 and 1, tuned online, and tuned without
-our admission) replaying the same traces at several pool sizes. Prints markdown tables (docs/benchmarks.md has a run).
+our admission) replaying the same traces at several pool sizes, in SGLang's two Mamba cache
+strategies. Prints markdown tables (docs/benchmarks.md has a run).
 
-    python scripts/bench_sglang_cache.py [--quick] [--traces agent,chat,mooncake,mooncake-blocks] [--json out.json]
-    python scripts/bench_sglang_cache.py --tree-nodes 1500,6000,24000,96000 [--swa-steps 300]
-
-Full run ~9 minutes on a 2-core AMD EPYC, `--quick` ~40 s.
-
-`--tree-nodes` runs another benchmark instead: one SWA eviction step's cost against the tree's
-size, on SGLang's real SWA cache (FULL + SWA components, `tests/serving/sglang_swa_cpu.py`),
-upstream's SWA component beside Marconi's on the same trees (`swa_step_cell`); ~5 minutes for
-the four sizes above.
+    python scripts/bench_sglang_cache.py [--quick] [--traces agent,chat,mooncake,mooncake-blocks,stress]
+        [--mamba-radix-cache-strategy no_buffer,extra_buffer] [--json out.json]
 
 Each request goes through the scheduler's calls on SGLang 0.5.23's own objects (the cache built by
-`tests/serving/sglang_cpu.py`: a tiny Mamba2 hybrid, no_buffer mode, page size 1, Mamba checkpoint
-grid 64): match (`Req.init_next_round_input`, with the Mamba copy-on-write), lock, request/KV slot
-allocation (evicting as needed), prefill in chunks of `--chunk-size` tokens (`checkpoint_kv_cache`
-after each non-final chunk; Marconi ends a chunk at the branch position, `chunk_end_for_branch`),
-the first token, `checkpoint_kv_cache`, the decode KV (allocated in one call, not one per token:
-same memory, fewer eviction calls), `release_kv_cache(checkpoint=True)`. One request at a time.
+`tests/serving/sglang_cpu.py`: a tiny Mamba2 hybrid, page size 1, Mamba checkpoint grid 64): match
+(`Req.init_next_round_input`, with the Mamba copy-on-write), lock, request/KV slot allocation
+(evicting as needed), prefill in chunks of `--chunk-size` tokens (`checkpoint_kv_cache` after each
+non-final chunk; Marconi ends a chunk where its branch state can be kept, `chunk_end_for_branch`:
+at the branch in no_buffer mode, a snapshot step before it in extra_buffer mode), the first token,
+`checkpoint_kv_cache`, the decode KV (allocated in one call, not one per token: same memory, fewer
+eviction calls), `release_kv_cache(checkpoint=True)`. One request at a time. In extra_buffer mode
+(SGLang's GPU default) the state each extend and each 64 decoded tokens snapshot is picked by
+SGLang's own bookkeeping (`ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend`), as the
+forward pass would.
 
 Traces: `agent` = synthetic swe-agent (shared system prompt, long trajectories) at 0.1x lengths,
 `chat` = synthetic lmsys multi-turn at 0.25x, `mooncake` = the first N requests of the Mooncake
@@ -26,10 +24,12 @@ conversation trace with each 512-token hash block mapped to 64 tokens (0.125x; b
 stay on the 64-token Mamba grid, as 512 is on it in the real trace) and a conversation's next
 turn rebuilt to repeat the previous turn's tail and reply (`sim/mooncake_tokens.py`);
 `mooncake-blocks` = the same requests with only the trace's full blocks shared (a stress case
-outside the targets: no turn can extend its predecessor there). Pool sizes: KV tokens = a
-fraction of the trace's infinite-cache footprint; Mamba slots = SGLang's default memory split
-(`--mamba-full-memory-ratio 0.9`) of that KV pool for the real model (nemotron-h-8b: one SSM state
-= 3,162 tokens of KV), counting KV at the trace's real length (see `pool_sizes`).
+outside the targets: no turn can extend its predecessor there); `stress` = chains and fan-outs
+off earlier sequences, shuffled, in the shape of SGLang's own radix-cache fuzz (`sim/stress.py`).
+Pool sizes: KV tokens = a fraction of the trace's infinite-cache footprint; Mamba slots = SGLang's
+default memory split (`--mamba-full-memory-ratio 0.9`) of that KV pool for the real model
+(nemotron-h-8b: one SSM state = 3,162 tokens of KV), counting KV at the trace's real length (see
+`pool_sizes`).
 
 Timings (perf_counter_ns around each call, exclusive): match = `init_next_round_input`,
 checkpoint = each `checkpoint_kv_cache`, release = `release_kv_cache`, evict = each outermost call
@@ -108,8 +108,15 @@ def traces(quick: bool):
     """name -> (description, token scale vs the real trace, requests factory)."""
     from sglang_marconi.sim.synthetic import generate
 
+    from sglang_marconi.sim.stress import chain_fanout
+
     agent, chat, moon = (2, 10, 300) if quick else (20, 100, 3000)
+    stress = 600 if quick else 5000
     return {
+        # SGLang's own radix-cache fuzz shape (chains and fan-outs off earlier sequences, shuffled);
+        # pools sized as if each token stood for 8 (scale 0.125), like the Mooncake rows.
+        "stress": (f"chain / fan-out stress, {stress:,} sequences (sim/stress.py), pools at scale 0.125", 0.125,
+                   lambda: list(chain_fanout(stress))),
         "agent": (f"synthetic swe-agent, {agent} trajectories, scale 0.1", 0.1,
                   lambda: list(generate("swe-agent", sessions=agent, scale=0.1))),
         "chat": (f"synthetic lmsys, {chat} sessions, scale 0.25", 0.25,
@@ -121,7 +128,8 @@ def traces(quick: bool):
                             "block, literal blocks only", 64 / MOONCAKE_BLOCK,
                             lambda: mooncake_requests(moon, 64, "blocks")),
     }
-TARGET_TRACES = ("agent", "chat", "mooncake")
+TARGET_TRACES = ("agent", "chat", "mooncake", "stress")
+GAIN_POINTS, GAIN_BELOW = 0.03, 0.90  # tuned >= upstream + 3 points wherever upstream is below 90%
 
 
 @dataclass
@@ -300,7 +308,7 @@ class Probe:
         return result
 
 
-def build(config: str, kv_size: int, mamba_size: int, max_context_len: int):
+def build(config: str, kv_size: int, mamba_size: int, max_context_len: int, extra_buffer: bool = False):
     """upstream: `build_cache` on either tree core; marconi: what `--radix-cache-backend marconi`
     builds (our components + admission + cache class + runtime), alpha fixed or tuned by the
     shadow tuner's background process (started, as in a server, before the first request)."""
@@ -308,7 +316,8 @@ def build(config: str, kv_size: int, mamba_size: int, max_context_len: int):
 
     from sglang_marconi.serving.config import MarconiServingConfig
 
-    kw = dict(kv_size=kv_size, mamba_size=mamba_size, max_num_reqs=2, max_context_len=max_context_len)
+    kw = dict(kv_size=kv_size, mamba_size=mamba_size, max_num_reqs=2, max_context_len=max_context_len,
+              extra_buffer=extra_buffer)
     if config == "lru-py":
         return build_cache(**kw)
     if config == "lru-rust":
@@ -329,7 +338,7 @@ def serve(cc, probe: Probe, r, chunk: int | None, chunk_end) -> int:
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
     from sglang.srt.mem_cache.allocation import alloc_token_slots
     from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
-    from sglang_cpu import _extend, make_request
+    from sglang_cpu import _chunk_end, _extend, _track_extend, make_request, track_decode_span
 
     cache, pool = cc.cache, cc.req_to_token_pool
     outputs = r.output_tokens.tolist()
@@ -341,8 +350,10 @@ def serve(cc, probe: Probe, r, chunk: int | None, chunk_end) -> int:
     while True:
         end = n if chunk is None else min(req.prefix_len + chunk, n)
         if chunk_end is not None:
-            end = chunk_end(req, end)
+            end = _chunk_end(cc, chunk_end, req, end)  # extra_buffer: the mode's snapshot grid
         _extend(cc, req, end)
+        if cache.enable_mamba_extra_buffer:
+            _track_extend(cc, req)  # which state of this extend the forward pass snapshots
         if end == n:
             break
         probe.op("checkpoint", checkpoint_kv_cache, req, cache)
@@ -354,6 +365,8 @@ def serve(cc, probe: Probe, r, chunk: int | None, chunk_end) -> int:
         loc = alloc_token_slots(cache, extra)
         pool.write((req.kv.req_pool_idx, slice(pos, pos + extra)), loc)
         req.kv.kv_allocated_len = req.kv.kv_committed_len = pos + extra
+        if cache.enable_mamba_extra_buffer:
+            track_decode_span(cc, req, pos, pos + extra)  # the decode snapshots those steps take
         req.output_ids.extend(outputs[1:])
         req.update_finish_state()
     if req.finished_reason is None:
@@ -362,12 +375,12 @@ def serve(cc, probe: Probe, r, chunk: int | None, chunk_end) -> int:
     return hit
 
 
-def run_cell(config, kv_size, mamba_size, info: TraceInfo, chunk, profile, bar) -> Cell:
+def run_cell(config, kv_size, mamba_size, info: TraceInfo, chunk, profile, bar, extra_buffer=False) -> Cell:
     from sglang_marconi.policy.shadow_tuner import choice_label
     from sglang_marconi.serving.admission import chunk_end_for_branch
 
     cell = Cell(config, kv_size, mamba_size)
-    cc = build(config, kv_size, mamba_size, max(4096, 2 * info.longest))
+    cc = build(config, kv_size, mamba_size, max(4096, 2 * info.longest), extra_buffer)
     cell.backend = cc.cache._tree_core_backend
     probe = Probe(cc, cell)
     chunk_end = chunk_end_for_branch if config.startswith("marconi") and config != "marconi-evict" else None
@@ -544,6 +557,28 @@ def targets(results) -> str:
     out.append(f"- tree time per request <= 1.2x lru-py: {cells - len(tree_miss)} of {cells} Marconi cells")
     out += [f"  - missed: {m}" for m in tree_miss]
     return "\n".join(out)
+
+
+def gain_targets(results) -> str:
+    """marconi-auto >= upstream (the better core) + 3 points wherever upstream is below 90%."""
+    misses, checked = [], 0
+    for name, (_, _, cells_of) in results.items():
+        if name not in TARGET_TRACES:
+            continue
+        by = {}
+        for c in cells_of:
+            by.setdefault((c.kv_size, c.mamba_size), {})[c.config] = c
+        for (kv, mamba), row in by.items():
+            up = max(row[k].hit_rate for k in ("lru-py", "lru-rust") if k in row)
+            auto = row.get("marconi-auto")
+            if auto is None or up >= GAIN_BELOW:
+                continue
+            checked += 1
+            if auto.hit_rate < up + GAIN_POINTS:
+                misses.append(f"{name} {kv:,}/{mamba:,}: auto {100 * auto.hit_rate:.2f}% vs upstream {100 * up:.2f}%")
+    out = [f"- marconi-auto >= upstream + {100 * GAIN_POINTS:g} points where upstream < {100 * GAIN_BELOW:g}%: "
+           f"{checked - len(misses)} of {checked} cells"]
+    return "\n".join(out + [f"  - missed: {m}" for m in misses])
 
 
 AUTO_SLACK = 0.01  # marconi-auto may trail the best of lru-py, marconi-a0 and -a1 by 1 point of hit rate
@@ -731,7 +766,9 @@ def swa_step_bench(trees, sizes, steps: int, window: int, seed: int, bar=None) -
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small traces, two pool sizes (~25 s)")
-    ap.add_argument("--traces", default="agent,chat,mooncake,mooncake-blocks")
+    ap.add_argument("--traces", default="agent,chat,mooncake,mooncake-blocks,stress")
+    ap.add_argument("--mamba-radix-cache-strategy", default="no_buffer,extra_buffer",
+                    help="SGLang's Mamba cache strategies to run: no_buffer, extra_buffer (the GPU default), or both")
     ap.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens (0: no chunking)")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads (2 on this 2-core VM adds ms-scale stalls to tiny CPU tensor ops)")
@@ -766,13 +803,13 @@ def main(argv=None) -> int:
         if unknown:
             ap.error(f"unknown trees {sorted(unknown)}; known: {list(SWA_TREES)}")
         bar = tqdm(total=len(sizes) * len(trees), desc="trees", unit="tree", file=sys.stderr) if tqdm else None
-        table = swa_step_bench(trees, sizes, args.swa_steps, args.swa_window, seed=0, bar=bar)
+        step_table = swa_step_bench(trees, sizes, args.swa_steps, args.swa_window, seed=0, bar=bar)
         if bar is not None:
             bar.close()
         print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
               f"{platform.python_implementation()} {platform.python_version()}, torch {torch.__version__}, "
               f"threads {torch.get_num_threads()}; wall {time.perf_counter() - t_start:.0f} s\n")
-        print(table)
+        print(step_table)
         return 0
     profile = _profile()
     t_start = time.perf_counter()
@@ -782,29 +819,37 @@ def main(argv=None) -> int:
         desc, scale, make = all_traces[name]
         info = describe(make())
         plan[name] = (desc, info, pool_sizes(info, fractions, scale, profile))
-    total = sum(len(info.requests) * len(sizes) * len(CONFIGS) for _, info, sizes in plan.values())
+    strategies = [m for m in args.mamba_radix_cache_strategy.split(",") if m]
+    if not strategies or set(strategies) - {"no_buffer", "extra_buffer"}:
+        ap.error(f"--mamba-radix-cache-strategy {args.mamba_radix_cache_strategy!r}: expected no_buffer, "
+                 "extra_buffer or both")
+    total = sum(len(info.requests) * len(sizes) * len(CONFIGS) for _, info, sizes in plan.values()) * len(strategies)
     bar = tqdm(total=total, desc="replay", unit="req", file=sys.stderr, mininterval=1) if tqdm else None
-    results = {}
-    for name, (desc, info, sizes) in plan.items():
-        cells = []
-        for kv, mamba in sizes:
-            for config in CONFIGS:
-                if bar is not None:
-                    bar.set_postfix_str(f"{name} {kv}/{mamba} {config}")
-                cells.append(run_cell(config, kv, mamba, info, chunk, profile, bar))
-        results[name] = (desc, info, cells)
+    by_mode = {}
+    for mode in strategies:
+        results = by_mode[mode] = {}
+        for name, (desc, info, sizes) in plan.items():
+            cells = []
+            for kv, mamba in sizes:
+                for config in CONFIGS:
+                    if bar is not None:
+                        bar.set_postfix_str(f"{mode} {name} {kv}/{mamba} {config}")
+                    cells.append(run_cell(config, kv, mamba, info, chunk, profile, bar, mode == "extra_buffer"))
+            results[name] = (desc, info, cells)
     if bar is not None:
         bar.close()
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{platform.python_implementation()} {platform.python_version()}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}; wall {time.perf_counter() - t_start:.0f} s\n")
-    for name, (desc, info, cells) in results.items():
-        print(table(name, desc, info, cells, chunk), "\n")
-    print(f"Targets (over {', '.join(TARGET_TRACES)}):\n" + targets(results))
+    for mode, results in by_mode.items():
+        print(f"## --mamba-radix-cache-strategy {mode}\n")
+        for name, (desc, info, cells) in results.items():
+            print(table(name, desc, info, cells, chunk), "\n")
+        print(f"Targets, {mode} (over {', '.join(TARGET_TRACES)}):\n" + targets(results) + "\n" + gain_targets(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
+        args.json.write_text(json.dumps({mode: {
             name: {"description": desc, "requests": len(info.requests), "input_tokens": info.input_tokens,
                    "infinite_hit_rate": info.infinite_hit, "cells": [
                        {"config": c.config, "backend": c.backend, "kv_size": c.kv_size, "mamba_size": c.mamba_size,
@@ -814,7 +859,7 @@ def main(argv=None) -> int:
                         "tuner_dropped": c.tuner_dropped, "tree_us_per_request": tree_us_per_request(c),
                         **{f"{op}_us": c.stat(op)[:2] for op in JSON_OPS},
                         **{f"{op}_n": c.stat(op)[2] for op in JSON_OPS}} for c in cells]}
-            for name, (desc, info, cells) in results.items()}, indent=1))
+            for name, (desc, info, cells) in results.items()} for mode, results in by_mode.items()}, indent=1))
     return 0
 
 

@@ -39,8 +39,37 @@ def test_importing_any_module_loads_no_torch_or_sglang():
         "import sys, sglang_marconi.sim.cli, sglang_marconi.policy.shadow_tuner, sglang_marconi.policy.model_profile,"
         " sglang_marconi.serving.plugin, sglang_marconi.serving.runtime, sglang_marconi.serving.cache,"
         " sglang_marconi.serving.admission, sglang_marconi.serving.metrics, sglang_marconi.serving.two_pass_prefill,"
-        " sglang_marconi.serving.eviction_components, sglang_marconi.serving.background_tuner, sglang_marconi.launch_server;"
+        " sglang_marconi.serving.components, sglang_marconi.serving.tree_index, sglang_marconi.serving.eviction_settings,"
+        " sglang_marconi.serving.group_channel, sglang_marconi.serving.lockstep, sglang_marconi.serving.background_tuner, sglang_marconi.launch_server;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No import cycle among the package's modules (counting imports inside functions too)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = "sglang_marconi." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        module = module.removesuffix(".__init__")
+        graph[module] = {name for name in imports_of(path) if name.startswith("sglang_marconi.")}
+    cycles = []
+
+    def visit(node, stack, on_stack, done):
+        on_stack.add(node)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in on_stack:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in done:
+                visit(nxt, stack, on_stack, done)
+        stack.pop()
+        on_stack.discard(node)
+        done.add(node)
+
+    done = set()
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [], set(), done)
+    assert not cycles, cycles[:5]

@@ -99,3 +99,39 @@ class CandidateIndex:
         if math.isinf(w_t) or math.isinf(w_e):  # a subnormal span: divide, as the reference does
             return self.items[int(marconi_scores(columns[0], columns[1], alpha).argmin())]
         return self.items[int(np.array((w_t, w_e)).dot(columns - lo[:, None]).argmin())]
+
+
+def lowest_across(indexes, alpha: float):
+    """The lowest-utility candidate over several indexes, each column min-max normalized over
+    their union (the cross-kind byte-budget choice: KV leaves and SSM states in one ranking).
+    Reads each index's extremes and scores in place, never concatenating them. Returns
+    `(position of the index, item)`, or None when all are empty; exact ties go to the earlier
+    index, then to the older candidate, as in `CandidateIndex.lowest`."""
+    live = [(i, index._columns[:, :len(index)]) for i, index in enumerate(indexes) if len(index)]
+    if not live:
+        return None
+    if not alpha:
+        best = min(((float(cols[0].min()), i, int(cols[0].argmin())) for i, cols in live), key=lambda t: t[:2])
+        return best[1], indexes[best[1]].items[best[2]]
+    lo_t = min(float(cols[0].min()) for _, cols in live)
+    hi_t = max(float(cols[0].max()) for _, cols in live)
+    lo_e = min(float(cols[1].min()) for _, cols in live)
+    hi_e = max(float(cols[1].max()) for _, cols in live)
+    w_t = (1.0 + _TIE_BREAK) / (hi_t - lo_t) if hi_t > lo_t else 0.0
+    w_e = alpha / (hi_e - lo_e) if hi_e > lo_e else 0.0
+    weights, lo = np.array((w_t, w_e)), np.array((lo_t, lo_e))
+    divide = math.isinf(w_t) or math.isinf(w_e)  # a subnormal span: divide, as the reference does
+
+    def scores_of(cols):
+        if not divide:
+            return weights.dot(cols - lo[:, None])
+        scores = (cols[0] - lo_t) / (hi_t - lo_t) if hi_t > lo_t else np.zeros(cols.shape[1])
+        return scores + alpha * (cols[1] - lo_e) / (hi_e - lo_e) if hi_e > lo_e else scores
+
+    best = None
+    for i, cols in live:
+        scores = scores_of(cols)
+        j = int(scores.argmin())
+        if best is None or scores[j] < best[0]:
+            best = (float(scores[j]), i, j)
+    return best[1], indexes[best[1]].items[best[2]]

@@ -31,27 +31,23 @@ So the checkpoint at the end of a request's input (its last prefill extend) also
 it offers, as a *probationary* state: only into a free Mamba slot or one freed from another
 probationary state, evicted before any other state under Mamba pressure (oldest first), and
 confirmed (a regular state from then on) by a match that reuses it or a regular state committed
-on its node (`MarconiTreeIndex.probation`). In extra_buffer mode the state offered there is the
+on its node (`probation.ProbationRegistry`). Its room is reserved by an eviction call that may take
+probationary states only (`EvictionWalk.probation_only`, carried by the `EvictParams` it passes): under
+one byte budget too, where it must not take KV bytes, it never displaces a regular state or a KV leaf. In extra_buffer mode the state offered there is the
 extend's last snapshot; a request that tracks none after it (a decode shorter than the snapshot
 grid) has no other final state, so at finish that one is confirmed as its final state. The policy
 core's `HybridPrefixCache(probation=True)` models the same, and the runtime's shadow caches run with it.
+
+Faults: admission has no state derived from the tree to rebuild, so an exception in its code is
+unrecoverable (`faults.py`): a rank alone takes upstream's admission from then on, a rank of a group
+stops the group. Per-request data lives in `req.marconi` (`cache_state.MarconiRequestState`).
 
 The class is built lazily (`admission_mixin()`) so importing this module needs no SGLang.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass
-class AdmissionCounters:
-    branch_states_admitted: int = 0
-    final_states_admitted: int = 0
-    checkpoints_declined: int = 0  # per-chunk / decode checkpoints that Marconi keeps out
-    skipped_no_slot: int = 0  # branch states dropped because no Mamba slot could be had
-    grid_lost_tokens: int = 0  # sum over admitted branch states of branch position - admitted position
-    probationary_admitted: int = 0  # states kept on probation at the end of an input
+from sglang_marconi.serving.cache_state import EvictionWalk, marconi_evict_params, request_state
 
 
 def branch_position(req) -> int | None:
@@ -64,13 +60,34 @@ def ends_input(req, checkpoint_end: int) -> bool:
     return checkpoint_end == len(req.origin_input_ids)
 
 
-def chunk_end_for_branch(req, proposed_end: int) -> int:
-    """Two-pass prefill: end the prefill chunk that would run past the branch position exactly
-    at it, so the state there can be checkpointed whatever the chunk grid."""
+def chunk_end_for_branch(req, proposed_end: int, snapshot_step: int | None = None) -> int:
+    """Two-pass prefill: where to end the prefill chunk [req.prefix_len, proposed_end) so that the
+    branch's state is checkpointed exactly.
+
+    no_buffer (`snapshot_step` None): a state exists only at an extend's end, so the chunk that
+    would run past the branch ends at it.
+
+    extra_buffer (`snapshot_step`: SGLang's snapshot grid, 64): the forward pass snapshots states
+    only a whole number of steps into an extend (`start + k * step`, k >= 1), so an extend that
+    starts at the hit rarely has one at the branch. The chunk is ended where the next extend starts
+    a whole number of steps before the branch: at `branch - step` when that extend would reach the
+    branch, else `step`-aligned with it, below the proposed end. The chunk count grows by at most
+    one (less where the prompt is chunked anyway). Impossible when the branch is less than one step
+    past the hit (no extend can start between them): the end stays, and the latest snapshot before
+    the branch is taken instead (`tracked_position_for_branch`)."""
     branch = branch_position(req)
-    if branch is not None and req.prefix_len < branch < proposed_end:
-        return branch
-    return proposed_end
+    start = req.prefix_len
+    if branch is None or branch <= start:
+        return proposed_end
+    if snapshot_step is None:
+        return branch if branch < proposed_end else proposed_end
+    if branch - start < snapshot_step or ((branch - start) % snapshot_step == 0 and branch <= proposed_end):
+        return proposed_end  # impossible, or tracked as it is
+    if branch - snapshot_step < proposed_end:
+        cut = branch - snapshot_step  # the next extend snapshots the branch one step in
+    else:
+        cut = proposed_end - (proposed_end - branch) % snapshot_step
+    return cut if start < cut < proposed_end else proposed_end
 
 
 def tracked_position_for_branch(req, step: int) -> int | None:
@@ -85,11 +102,20 @@ def tracked_position_for_branch(req, step: int) -> int | None:
     return start + k * step if k >= 1 else None
 
 
+def free_mamba_slots(allocator) -> int:
+    """Slots a new state can take now: a free slot id and, under one byte budget, its bytes
+    (`schedulable_available_size`; the same count for a pool of fixed slots)."""
+    schedulable = getattr(allocator, "schedulable_available_size", allocator.available_size)
+    return min(allocator.available_size(), schedulable())
+
+
+_PROBATION_ONLY = EvictionWalk(probation_only=True)
+
+
 def admission_mixin():
     """A mixin for (a subclass of) SGLang's MambaComponent implementing Marconi's admission."""
 
     class MarconiAdmission:
-        marconi_admission_counters: AdmissionCounters
         marconi_exact_branch = True  # match reports the exact branch (the tracking hook looks for it)
 
         def __init__(self, cache, params):
@@ -99,9 +125,13 @@ def admission_mixin():
                 # on the page grid only. (The runtime's shadow caches read this grid too.)
                 self.mamba_checkpoint_grid = params.page_size
 
+        @property
+        def marconi_admission_counters(self):
+            return self.marconi.admission
+
         def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
             result = super().finalize_match_result_in_tree_core(result, params, value_chunks, best_value_len)
-            if self._admission_faulted():
+            if not self._marconi_active():
                 return result  # upstream's branch (floored to its checkpoint grid)
             try:
                 page = self.cache.page_size
@@ -109,51 +139,43 @@ def admission_mixin():
                 boundary = result.device_prefix_len + result.host_hit_length
                 return result._replace(mamba_branching_seqlen=exact if exact > boundary else None)
             except Exception as exc:
-                self._admission_fault("branch position at match", exc)
+                self._unrecoverable("admission (branch position at match)", exc)
                 return result
 
-        def _admission_faulted(self) -> bool:
-            settings = getattr(self, "_marconi_settings", None)
-            return settings is not None and getattr(settings, "faulted", None) is not None
-
-        def _admission_fault(self, where: str, exc: Exception) -> None:
-            """Fault guard: one warning, and upstream's admission from now on (the group follows at
-            the next sync point); without Marconi's settings there is nothing to fall back with."""
-            settings = getattr(self, "_marconi_settings", None)
-            if settings is None:
-                raise exc
-            settings.fault(f"admission ({where})", exc)
-
         def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
-            counters = self.__dict__.setdefault("marconi_admission_counters", AdmissionCounters())
+            counters = self.marconi.admission
+            if not self._marconi_active():
+                return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+            state = request_state(req)
+            insert_params.marconi = state  # the insert's commit hook reads the request's intent
+            state.probationary_insert = False
             if is_finished:
                 cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
                 if cache_len:
                     counters.final_states_admitted += 1
-                elif self._marconi_confirm_own_probationary(req):
+                elif self._marconi_confirm_own_probationary(state):
                     counters.final_states_admitted += 1
                 return cache_len
             extra_buffer = self.cache.enable_mamba_extra_buffer
-            if self._admission_faulted():
-                return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
             try:
                 position = req.kv.mamba_last_track_seqlen if extra_buffer else token_ids_len
-                admits = self._marconi_admits(req, position, token_ids_len)
+                admits = self._marconi_admits(req, state, position, token_ids_len)
+                probationary = not admits and self._marconi_probation_admits(req, position, token_ids_len)
+                reserved = admits and (extra_buffer or self._marconi_reserve_slot())
             except Exception as exc:
-                self._admission_fault("checkpoint", exc)
+                self._unrecoverable("admission (checkpoint)", exc)
                 return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+            if probationary:
+                cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+                if cache_len:
+                    state.probationary_insert = True
+                    counters.probationary_admitted += 1
+                return cache_len
             if not admits:
-                probationary = self._marconi_probation_admits(req, position, token_ids_len)
-                if probationary:
-                    cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
-                    if cache_len:
-                        insert_params.marconi_probationary = True
-                        counters.probationary_admitted += 1
-                    return cache_len
                 counters.checkpoints_declined += 1
-                self.__dict__.setdefault("_marconi_declined", set()).add(req.rid)
+                state.declined = True
                 return 0
-            if not extra_buffer and not self._marconi_reserve_slot():
+            if not reserved:
                 counters.skipped_no_slot += 1
                 return 0
             cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
@@ -162,7 +184,7 @@ def admission_mixin():
                 counters.grid_lost_tokens += branch_position(req) - cache_len
             return cache_len
 
-        def _marconi_admits(self, req, position, checkpoint_end) -> bool:
+        def _marconi_admits(self, req, state, position, checkpoint_end) -> bool:
             """Is the state at `position` (this checkpoint's, ending at `checkpoint_end`) the
             request's branch state?"""
             branch = branch_position(req)
@@ -174,74 +196,49 @@ def admission_mixin():
                 return position == branch or branch - checkpoint_end < self.mamba_cache_chunk_size
             # no_buffer: where two-pass prefill ended the chunk for the branch (at it, or at the
             # last aligned position before it when it could not end there)
-            cut = getattr(req, "marconi_branch_cut", None)
+            cut = state.branch_cut
             return position == (branch if cut is None else cut)
 
         def _marconi_probation_admits(self, req, position, checkpoint_end) -> bool:
             """Keep the state at the end of the input on probation, if a Mamba slot can be had
             without evicting anything but other probationary states."""
-            settings = getattr(self, "_marconi_settings", None)
-            if settings is None or not settings.probation or position is None or position <= 0:
+            if not self.marconi.settings.probation or position is None or position <= 0:
                 return False
             if not ends_input(req, checkpoint_end):
                 return False
-            try:
-                return self._marconi_reserve_slot(probation_only=True)
-            except Exception as exc:
-                self._admission_fault("probationary slot", exc)
-                return False
+            return self._marconi_reserve_slot(probation_only=True)
 
-        def _marconi_confirm_own_probationary(self, req) -> bool:
+        def _marconi_confirm_own_probationary(self, state) -> bool:
             """extra_buffer mode: a request whose input-end state went to the tree on probation and
             that tracked none since (a decode shorter than the snapshot grid) has no final state to
             donate; its last state *is* that one, so it becomes its final state: confirmed."""
-            node = getattr(req, "marconi_probation_node", None)
-            if node is None:
+            node, state.probation_node = state.probation_node, None
+            if node is None or node.component_data[self.component_type].value is None:
                 return False
-            req.marconi_probation_node = None
-            try:
-                index = self.marconi
-                if index.probation.get(node.id) is not node or node.component_data[self.component_type].value is None:
-                    return False
-                index.confirm(node)
-                return True
-            except Exception as exc:
-                self._admission_fault("final state on probation", exc)
-                return False
+            return self.marconi.probation.confirm(node)
 
         def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
-            if not is_finished and insert_params is not None:
-                # the node the probationary state went to (`commit_insert_component_data`), if any
-                node = getattr(insert_params, "marconi_probation_node", None)
-                if node is not None:
-                    req.marconi_probation_node = node
-            declined = self.__dict__.get("_marconi_declined")
-            if not is_finished and declined and req.rid in declined:
-                # Nothing was donated: keep the request's tracked state (extra-buffer mode), which
-                # upstream's cleanup would forget, so its final state can still be admitted (and a
-                # state tracked before the branch is still there when the branch is decided).
-                declined.discard(req.rid)
-                return
+            state = req.__dict__.get("marconi")
+            if state is not None:
+                state.probationary_insert = False
+                if not is_finished and state.declined:
+                    # Nothing was donated: keep the request's tracked state (extra-buffer mode), which
+                    # upstream's cleanup would forget, so its final state can still be admitted (and a
+                    # state tracked before the branch is still there when the branch is decided).
+                    state.declined = False
+                    return
             super().cleanup_after_caching_req(req, is_finished, insert_result=insert_result, insert_params=insert_params)
 
         def _marconi_reserve_slot(self, probation_only: bool = False) -> bool:
-            """Make sure one Mamba slot is free for the branch state, evicting if we can
-            (`probation_only`: evicting probationary states only)."""
-            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
+            """Make sure one Mamba slot is free for a new state, evicting if we can (`probation_only`:
+            only probationary states may go, through an eviction call that carries that limit)."""
             allocator = self.cache.req_to_token_pool.mamba_allocator
-            if allocator.available_size() >= 1:
+            if free_mamba_slots(allocator) >= 1:
                 return True
-            index = getattr(self, "marconi", None)
-            if probation_only and (index is None or not index.probation):
+            if probation_only and not len(self.marconi.probation):
                 return False
-            if probation_only:
-                index.probation_only = True
-            try:
-                self.cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
-            finally:
-                if probation_only:
-                    index.probation_only = False
-            return allocator.available_size() >= 1
+            walk = _PROBATION_ONLY if probation_only else EvictionWalk()
+            self.cache.evict_for_alloc(marconi_evict_params(mamba_num=1, walk=walk))
+            return free_mamba_slots(allocator) >= 1
 
     return MarconiAdmission

@@ -5,12 +5,14 @@ through a shared-memory ring, whose decisions take effect at fixed points of the
   request's token buffers into it (a few microseconds: no system call, no lock, no helper thread
   to contend for the GIL). Requests are handed over 16 at a time, and a partial batch as soon as
   the scheduler goes idle (`flush_idle`) or its oldest request has waited `_HANDOVER_S`.
-- Lockstep: the child records its choice *as of* every `sync_every`-th request of the stream
-  (`choice_at(k)`: after exactly `k * sync_every` requests). The runtime adopts `choice_at(k - 1)`
-  at release `k * sync_every`, so which choice is in force at every point of the stream is a
-  function of the requests alone, never of the child's pace: two ranks (or two runs) fed the same
-  stream make the same switches at the same requests. When the child lags a whole interval
-  behind, the scheduler waits for it (`choice_at` blocks); a full ring waits too, never drops.
+- Sync points: the child records its choice *as of* every `sync_every`-th request of the stream
+  (`choice_at(k)`: after exactly `k * sync_every` requests). The runtime asks for `choice_at(k - 1)`
+  at release `k * sync_every`, so while the child keeps within one interval of the scheduler,
+  which choice is in force at every point of the stream is a function of the requests alone (two
+  runs fed the same stream switch at the same requests). The scheduler never waits for the child
+  longer than `wait_s` there (a late verdict is None: the runtime keeps its choice and asks again
+  at the next sync point), and a full ring waits at most `put_wait_s` before the request is
+  dropped from the shadows' sample (counted): the batch path never waits on the child unboundedly.
 - Child: polls the ring (every 2 ms while requests come, every 50 ms when idle), runs the shadow
   caches at the lowest CPU priority (nice 19), and writes back through shared memory (`RawArray`,
   read without a lock): its current choice, requests read and observed, each candidate's score and
@@ -64,13 +66,14 @@ class BackgroundShadowTuner:
 
     def __init__(self, profile, capacity_bytes: int, config: ShadowConfig, *, state_slots: int | None = None,
                  checkpoint_grid: int = 1, page_size: int = 1, stall_s: float = 60.0, sync_every: int = 32,
-                 probation: bool = False):
+                 probation: bool = False, put_wait_s: float = 0.05):
         self.config = config
         self.choices = config.choices
         self.current: Choice = config.start
         self.stall_s = stall_s
+        self.put_wait_s = put_wait_s
         self.sync_every = sync_every
-        self.fed = self.dropped = 0  # dropped: only requests too large for the ring (a property of the request)
+        self.fed = self.dropped = 0  # dropped: too large for the ring, or the ring stayed full put_wait_s
         self.failed: str | None = None  # why the child was given up, if it was
         self._closed = False  # nothing more is sent once the ring is closed
         self._since_sent = 0  # requests counted but not yet sent (not sampled, or batched)
@@ -118,20 +121,24 @@ class BackgroundShadowTuner:
         """A sync point of the stream: everything released so far goes to the child, with a marker
         so that it counts requests up to exactly here even if none of them was sampled."""
         self._flush()
-        if self._since_sent and not self._closed:
-            self._put(_META.pack(self._since_sent, 0, _MARKER, 0), b"", b"")
-            self._since_sent = 0
+        if self._since_sent and not self._closed and self._put(_META.pack(self._since_sent, 0, _MARKER, 0), b"", b""):
+            self._since_sent = 0  # (a full ring: counted with the next record that gets in)
 
-    def choice_at(self, k: int) -> Choice | None:
-        """The child's choice as of request `k * sync_every`, waiting for the child if it has not
-        got there yet; None if the child failed (now or while waiting)."""
+    def choice_at(self, k: int, wait_s: float | None = None) -> Choice | None:
+        """The child's choice as of request `k * sync_every`, waiting at most `wait_s` (None: until
+        it gets there or fails) for the child to get there; None if it did not in time or failed
+        (`failed` says which)."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         while self.failed is None:
             if self._state[_SYNCED] >= k:
                 fence()
                 index = int(self._state[self._table + k % _SYNC_SLOTS])
                 self.current = self.choices[index]
                 return self.current
-            self._check_health(time.monotonic())
+            now = time.monotonic()
+            self._check_health(now)
+            if deadline is not None and now >= deadline:
+                return None
             time.sleep(_WAIT_S)
         return None
 
@@ -144,7 +151,7 @@ class BackgroundShadowTuner:
             self._since_sent += 1
             if rate < 1 and not session_in_sample(session_key, rate):
                 continue
-            key = session_key.encode()
+            key = session_key.encode("utf-8", "backslashreplace")  # a client's rid need not be valid UTF-8
             inp, out = _int64_buffer(input_ids), _int64_buffer(output_ids)
             record = (_META.pack(self._since_sent, len(key), len(inp) // 8, len(out) // 8) + key, inp, out)
             if self._put(*record):
@@ -155,13 +162,16 @@ class BackgroundShadowTuner:
         self._maybe_check_health()
 
     def _put(self, head: bytes, inp, out) -> bool:
-        """Append one record, waiting while the ring is full (backpressure: dropping a request would
-        make the decisions depend on the child's pace). False if it can never fit or the child failed."""
+        """Append one record, waiting at most `put_wait_s` while the ring is full. False if it can
+        never fit, did not fit in time, or the child failed (the request is then counted with the
+        next record, outside the shadows' sample)."""
         since = _META.unpack_from(head)[0]
+        deadline = time.monotonic() + self.put_wait_s
         while not self._ring.put((head, inp, out)):
-            if not self._ring.fits(len(head) + len(inp) + len(out)) or self._closed:
+            now = time.monotonic()
+            if not self._ring.fits(len(head) + len(inp) + len(out)) or self._closed or now >= deadline:
                 return False
-            self._check_health(time.monotonic())
+            self._check_health(now)
             time.sleep(_WAIT_S)
         self._sent += since
         self._pending.append((self._sent, time.monotonic()))
@@ -348,7 +358,7 @@ def _observe(tuner: ShadowTuner, recorder: SyncRecorder, payload: memoryview) ->
         recorder.advance(tuner.log.requests)
         return
     start = _META.size
-    key = bytes(payload[start:start + key_len]).decode()
+    key = bytes(payload[start:start + key_len]).decode("utf-8", "replace")
     start += key_len
     tokens = np.frombuffer(payload[start:start + 8 * (n_in + n_out)], dtype=np.int64).copy()
     tuner.log.requests += since - 1  # requests the scheduler did not send (not sampled, or too large)

@@ -1,12 +1,16 @@
 """SGLang's `UnifiedRadixCache`, reporting to the Marconi runtime: each request's latest match
 (its full-KV hit), every eviction, and every release with the prefix SGLang reports as cached
-(`req.cached_tokens`, what the response's `cached_tokens` says); after each checkpoint and release it brings the eviction index up to date (`MarconiTreeIndex.flush`).
+(`req.cached_tokens`, what the response's `cached_tokens` says). After each checkpoint and release
+it brings the eviction index up to date (`MarconiTreeIndex.flush`), while the nodes it changed are
+warm, rather than at the next eviction, which sits on a new request's allocation.
 
-Fault guard: the Marconi calls (the runtime's `on_match`, `on_evict`, `on_release`, the index
-flush) run after upstream's own method, under a guard: an exception there goes to
-`MarconiEvictionSettings.fault` (one warning; upstream's eviction from then on) and never reaches
-the scheduler. Upstream's `super()` calls stay outside it: SGLang's own errors propagate as
-upstream. After a fault the index is no longer kept; the runtime still counts what it is told.
+An eviction call whose `EvictParams` carries a walk context (`cache_state.marconi_evict_params`)
+exposes it to the components for that call only (`MarconiCacheState.walking`). A reset clears
+what Marconi kept of the tree (probationary states, the index).
+
+Faults: the runtime's reports are rank-local figures (a failure stops the figures, never the
+tree); the index upkeep is recovered by a rebuild from the tree (`faults.py`). Upstream's `super()`
+calls stay outside every guard: SGLang's own errors propagate as upstream's would.
 
 Built lazily (`marconi_cache_class()`) so importing this module needs no SGLang.
 """
@@ -15,36 +19,51 @@ from __future__ import annotations
 
 import functools
 
+from sglang_marconi.serving.cache_state import walk_of
+
 
 @functools.lru_cache(maxsize=1)
 def marconi_cache_class():
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     class MarconiUnifiedRadixCache(UnifiedRadixCache):
-        marconi_runtime = None  # attached by the factory after construction
-        marconi_settings = None  # MarconiEvictionSettings, attached with the runtime
-        # Index upkeep right after each checkpoint and release (see _update_marconi_index); off
-        # with upstream's admission (`--marconi-admission off`), whose per-chunk states change
-        # the same nodes many times between evictions: upkeep at eviction time does each once.
-        marconi_eager_index_upkeep = True
+        marconi = None  # MarconiCacheState, made by the Marconi components as the cache is built
+
+        @property
+        def marconi_runtime(self):
+            return None if self.marconi is None else self.marconi.runtime
 
         def match_prefix(self, params):
             result = super().match_prefix(params)
             req = getattr(params, "req", None)
-            if self.marconi_runtime is not None and req is not None:
-                try:
-                    self.marconi_runtime.on_match(req, result.full_kv_hit_length)
-                except Exception as exc:
-                    self._marconi_fault("on_match", exc)
+            runtime = self.marconi_runtime
+            if runtime is not None and req is not None:
+                runtime.report("on_match", runtime.on_match, req, result.full_kv_hit_length)
             return result
+
+        def evict_for_alloc(self, params, *, allocation_reclaim_satisfied=None):
+            walk = self._marconi_walk_for(params, allocation_reclaim_satisfied)
+            if self.marconi is None or walk == self.marconi.walk:
+                return super().evict_for_alloc(params, allocation_reclaim_satisfied=allocation_reclaim_satisfied)
+            with self.marconi.walking(walk):
+                return super().evict_for_alloc(params, allocation_reclaim_satisfied=allocation_reclaim_satisfied)
+
+        def evict(self, params):
+            walk = walk_of(params)
+            if self.marconi is None or walk == self.marconi.walk:
+                return super().evict(params)
+            with self.marconi.walking(walk):
+                return super().evict(params)
+
+        def _marconi_walk_for(self, params, allocation_reclaim_satisfied):
+            """What this eviction call may take (the one-budget cache adds its byte shortfall)."""
+            return walk_of(params)
 
         def _evict(self, params, *args, **kwargs):
             result = super()._evict(params, *args, **kwargs)
-            if self.marconi_runtime is not None:
-                try:
-                    self.marconi_runtime.on_evict(result.num_tokens_evicted, result.mamba_num_evicted)
-                except Exception as exc:
-                    self._marconi_fault("on_evict", exc)
+            runtime = self.marconi_runtime
+            if runtime is not None:
+                runtime.report("on_evict", runtime.on_evict, result.num_tokens_evicted, result.mamba_num_evicted)
             return result
 
         def checkpoint(self, req, *args, **kwargs):
@@ -55,33 +74,26 @@ def marconi_cache_class():
         def on_release(self, req, *, checkpointed):
             super().on_release(req, checkpointed=checkpointed)
             self._update_marconi_index()
-            if self.marconi_runtime is not None and checkpointed:
-                try:
-                    self.marconi_runtime.on_release(req)
-                except Exception as exc:
-                    self._marconi_fault("on_release", exc)
+            runtime = self.marconi_runtime
+            if runtime is not None and checkpointed:
+                runtime.on_release(req)
+
+        def reset(self):
+            super().reset()
+            if self.marconi is not None:
+                self.marconi.on_reset()
 
         def _update_marconi_index(self):
-            # Re-evaluate the nodes this insert or release changed now, while their data is
-            # warm, rather than at the next eviction, which sits on a new request's allocation.
-            index = getattr(self, "marconi_index", None)
-            if not self.marconi_eager_index_upkeep or index is None or index.root is None:
+            state = self.marconi
+            if state is None or not state.eager_index_upkeep or state.index is None or not state.index.bound:
                 return
-            if index.settings.faulted is not None:
+            if state.faults.fallen_back is not None:
                 return
             try:
-                index.flush()
+                state.index.flush()
             except Exception as exc:
-                self._marconi_fault("index flush", exc)
-
-        def _marconi_fault(self, where: str, exc: BaseException) -> None:
-            settings = self.marconi_settings or getattr(getattr(self, "marconi_index", None), "settings", None)
-            if settings is None or not hasattr(settings, "fault"):
-                raise exc  # no Marconi settings to fall back with: nothing was built by Marconi
-            settings.fault(f"cache.{where}", exc)
-            index = getattr(self, "marconi_index", None)
-            if index is not None:
-                index.detach()
+                state.index.invalidate()
+                state.faults.recovered("cache.index flush", exc)
 
     _install_kv_state_events()
     return MarconiUnifiedRadixCache

@@ -34,7 +34,8 @@ class MarconiServingConfig:
     tune_epoch: int = ShadowConfig.epoch
     tune_margin: float = ShadowConfig.margin
     tune_timeout_s: float = 60.0  # a tuner that leaves a request it was handed unread this long is given up
-    tune_sync_every: int = 32  # releases between sync points (where a choice is adopted, ranks agree)
+    tune_sync_every: int = 32  # releases between sync points (where the leader's tuner decides)
+    tune_sync_wait_s: float = 0.05  # the most a scheduler waits for the tuner at a sync point
     bootstrap_multiplier: float = 5.0  # no longer used (no bootstrap windows); kept so old flags still parse
     extra: dict = field(default_factory=dict)
 
@@ -121,6 +122,9 @@ def add_marconi_args(parser: argparse.ArgumentParser) -> None:
                    help="lead a choice needs over the current one, as a share of the most the requests could save")
     g.add_argument("--marconi-tune-sync-every", default=str(MarconiServingConfig.tune_sync_every),
                    help="releases between sync points: where the tuner's choice takes effect and TP/PP ranks agree")
+    g.add_argument("--marconi-tune-sync-wait-ms", default=f"{MarconiServingConfig.tune_sync_wait_s * 1000:g}",
+                   help="the most a scheduler waits for the tuner's verdict at a sync point (a late verdict is "
+                        "taken at a later sync point)")
     g.add_argument("--marconi-tune-stall-timeout", default=f"{MarconiServingConfig.tune_timeout_s:g}",
                    help="seconds the tuner may leave a request unread before tuning stops (idle time never counts)")
     g.add_argument("--marconi-bootstrap-multiplier", default="5", help="ignored (no bootstrap windows any more)")
@@ -143,6 +147,9 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
     sync_every = _number("--marconi-tune-sync-every", ns.marconi_tune_sync_every, int)
     if sync_every < 1:
         raise _flag_error("--marconi-tune-sync-every", ns.marconi_tune_sync_every, "must be >= 1")
+    sync_wait_ms = _number("--marconi-tune-sync-wait-ms", ns.marconi_tune_sync_wait_ms)
+    if not sync_wait_ms >= 0:
+        raise _flag_error("--marconi-tune-sync-wait-ms", ns.marconi_tune_sync_wait_ms, "must be >= 0")
     stall = _number("--marconi-tune-stall-timeout", ns.marconi_tune_stall_timeout)
     if not stall > 0:
         raise _flag_error("--marconi-tune-stall-timeout", ns.marconi_tune_stall_timeout, "must be > 0")
@@ -159,6 +166,7 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
         tune_epoch=_number("--marconi-tune-epoch", ns.marconi_tune_epoch, int),
         tune_margin=_number("--marconi-tune-margin", ns.marconi_tune_margin),
         tune_sync_every=sync_every,
+        tune_sync_wait_s=sync_wait_ms / 1000,
         tune_timeout_s=stall,
         bootstrap_multiplier=multiplier,
     )

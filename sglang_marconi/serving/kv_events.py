@@ -155,14 +155,14 @@ class ReusablePointTracker:
 def tracker_of(cache) -> Optional[ReusablePointTracker]:
     """The cache's tracker (made on first use), or None where Marconi is not the cache's backend
     (no runtime: upstream's cache or a fallback) or state events are switched off."""
-    if getattr(cache, "marconi_runtime", None) is None:
+    state = getattr(cache, "marconi", None)
+    if state is None or state.runtime is None:
         return None
-    tracker = getattr(cache, "marconi_kv_state_events", None)
+    tracker = state.kv_state_events
     if tracker is None:
         if not state_events_enabled():
             return None
-        tracker = ReusablePointTracker()
-        cache.marconi_kv_state_events = tracker
+        tracker = state.kv_state_events = ReusablePointTracker()
     return tracker
 
 
@@ -185,10 +185,11 @@ def publish_state_events(result, publisher, *args, **kwargs):
     except Exception as exc:  # an event fault must never reach the scheduler
         why = f"{type(exc).__name__}: {exc}"
         log.warning("Marconi: SSM-state KV events stopped on this scheduler (%s); block events go on", why)
-        tracker = getattr(cache, "marconi_kv_state_events", None)
-        if tracker is None:
-            tracker = cache.marconi_kv_state_events = ReusablePointTracker()
-        tracker.fault = why
+        state = getattr(cache, "marconi", None)
+        if state is not None:
+            if state.kv_state_events is None:
+                state.kv_state_events = ReusablePointTracker()
+            state.kv_state_events.fault = why
     return result
 
 
@@ -196,9 +197,10 @@ def add_kv_events_state(result, controller, state, *args, **kwargs):
     """AFTER hook on the internal-state readback (`/server_info`): `marconi_kv_events` figures,
     and with SGLANG_MARCONI_KV_EVENTS_DEBUG=1 the tree's reusable points (a whole-tree walk)."""
     cache = getattr(controller.scheduler, "tree_cache", None)
-    tracker = getattr(cache, "marconi_kv_state_events", None)
-    if tracker is None and getattr(cache, "marconi_runtime", None) is None:
+    marconi = getattr(cache, "marconi", None)
+    if marconi is None or marconi.runtime is None:
         return result
+    tracker = marconi.kv_state_events
     entry = tracker.figures() if tracker is not None else {"schema_version": SCHEMA_VERSION, "states_published": 0}
     if os.environ.get(DEBUG_ENV) == "1":
         try:

@@ -1,42 +1,61 @@
-"""The ranks that run one scheduling on identical trees, and how they agree.
+"""The ranks that run one scheduling on identical trees, and how their Marconi caches stay alike.
 
 SGLang runs the same scheduling on every rank of an attention-TP group (and every attention-CP
-rank and PP stage), each on its own tree, and marks `match_prefix`, `insert` and `evict`
-`@rank_consensus(same_results)`: the trees must never differ. Every Marconi decision that changes
-a tree is a function of the request stream, and the two that are not by nature (the tuner's pace,
-a local failure) are settled at sync points: every `sync_every` releases each rank calls `agree`,
-one small all-reduce (MAX) per group over SGLang's CPU (gloo) groups, the groups SGLang's own
-rank-consensus checker uses. The group's first rank runs the only tuner and contributes its
-choice; any rank's tuner failure or Marconi fault makes the whole group fall back together.
+rank and PP stage), each on its own tree, and requires the trees never to differ. Every Marconi
+decision that changes a tree is a function of what every rank sees in the same order: the
+requests, and the *directives* the group's leader adds to them.
 
-Imports torch lazily (only for a group of more than one rank).
+- The leader (rank 0 of every axis: the rank that reads requests from the tokenizer) runs the
+  only tuner. At a sync point it turns the tuner's verdict into a `Directive` (adopt a choice,
+  stop tuning) and sends it with the requests it hands the other ranks anyway: SGLang broadcasts
+  each iteration's requests from that rank across attention TP / CP and relays them from stage
+  to stage under PP (`serving/group_channel.py`). Every rank applies it when it processes that
+  iteration's requests, so every rank changes its eviction rule at the same point of its stream.
+  No rank ever waits on another for it, and no collective runs on the batch path.
+- Marconi faults never need agreeing: `serving/faults.py` keeps a rank in step by rebuilding
+  what it derived from the tree, or stops the group loudly.
+- At start-up every rank agrees on a digest of the Marconi settings it was given
+  (`agree_on_settings`), one all-gather per axis while the cache is built (every rank builds it at
+  the same point of its start-up), and all refuse to start, in one line, when they differ.
+
+A rank alone delivers its directives to itself at once (`LocalChannel`). Imports torch lazily
+(only for a group of more than one rank).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from typing import Callable, Optional
 
-NO_CHOICE = -1
+from sglang_marconi.policy.errors import MarconiError
 
 
 @dataclass(frozen=True)
-class Agreement:
-    choice: int  # index of the choice the group adopts, or NO_CHOICE
-    tuner_failed: bool
-    faulted: bool
+class Directive:
+    """What the leader tells every rank, applied where it arrives in the request stream.
+    `seq` counts the leader's directives (a rank that sees a gap knows one was lost)."""
+
+    seq: int
+    choice: Optional[int] = None  # index into the tuner's choices to adopt, or None
+    stop_tuning: Optional[str] = None  # why the group stops tuning (the choice in force stays)
 
 
 class RankGroup:
     """`groups`: torch.distributed process groups (CPU), any of them None; those of one rank are
-    ignored. With none left the group is this rank alone and `agree` communicates nothing."""
+    ignored. With none left the group is this rank alone."""
 
     def __init__(self, groups=()):
         groups = [g for g in groups if g is not None]
+        self.size, self.rank = 1, 0
         if groups:
             import torch.distributed as dist
 
             groups = [g for g in groups if dist.get_world_size(g) > 1]
             self.is_leader = all(dist.get_rank(g) == 0 for g in groups)
+            for g in groups:  # position in the grid of the axes, row-major
+                self.rank = self.rank * dist.get_world_size(g) + dist.get_rank(g)
+                self.size *= dist.get_world_size(g)
         else:
             self.is_leader = True
         self.groups = groups
@@ -44,7 +63,7 @@ class RankGroup:
     @classmethod
     def from_cache_params(cls, params) -> RankGroup:
         """The ranks sharing one tree: attention-CP x attention-TP (the TP group where SGLang gives
-        no attention-TP group) x PP, as `Scheduler.init_rank_consensus_checker` checks them."""
+        no attention-TP group) x PP, as SGLang's rank-consensus checker groups them."""
         tp = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
         return cls([getattr(params, "attn_cp_cache_group", None), tp, getattr(params, "pp_cache_group", None)])
 
@@ -52,14 +71,63 @@ class RankGroup:
     def single(self) -> bool:
         return not self.groups
 
-    def agree(self, choice: int, tuner_failed: bool, faulted: bool) -> Agreement:
-        """Collective: every rank of the group calls it at the same point of the request stream."""
+    def agree_on_settings(self, digest: str, what: str = "Marconi settings") -> None:
+        """Start-up collective: every rank of the group passes the digest of what it was given;
+        every rank raises the same one-line error when they differ."""
         if not self.groups:
-            return Agreement(choice, tuner_failed, faulted)
-        import torch
+            return
         import torch.distributed as dist
 
-        t = torch.tensor([choice, int(tuner_failed), int(faulted)], dtype=torch.int64)
-        for group in self.groups:  # MAX along each axis of the grid = MAX over the whole group
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return Agreement(int(t[0]), bool(t[1]), bool(t[2]))
+        for group in self.groups:
+            seen = [None] * dist.get_world_size(group)
+            dist.all_gather_object(seen, digest, group=group)
+            if len(set(seen)) > 1:
+                ranks = ", ".join(f"rank {r}: {d}" for r, d in enumerate(seen))
+                raise MarconiError(f"the ranks of one TP/PP group were given different {what} ({ranks}); "
+                                   "start every rank with the same SGLANG_MARCONI_CONFIG and flags")
+
+
+def settings_digest(*parts) -> str:
+    """A short digest of everything that decides how a rank's Marconi cache behaves."""
+    text = "\x1f".join(repr(p) for p in parts)
+    return hashlib.sha256(text.encode("utf-8", "backslashreplace")).hexdigest()[:12]
+
+
+class LocalChannel:
+    """A rank alone: a directive takes effect as it is sent."""
+
+    def __init__(self, apply: Callable[[Directive], None]):
+        self._apply = apply
+
+    def send(self, directive: Directive) -> None:
+        self._apply(directive)
+
+    def drain(self) -> list:
+        return []
+
+
+class GroupChannel:
+    """A rank of a group: the leader's directives wait in `outbox` until the next iteration's
+    requests carry them to every rank (`group_channel.py` in a server, a test's broadcast
+    elsewhere); `receive` applies one on whichever rank it reaches, in order, exactly once."""
+
+    def __init__(self, apply: Callable[[Directive], None]):
+        self._apply = apply
+        self.outbox: list[Directive] = []
+        self.applied = -1  # seq of the last directive applied here
+
+    def send(self, directive: Directive) -> None:
+        self.outbox.append(directive)
+
+    def drain(self) -> list:
+        out, self.outbox = self.outbox, []
+        return out
+
+    def receive(self, directive: Directive) -> None:
+        if directive.seq <= self.applied:
+            return  # already applied (a relayed list can reach a rank once only, but be safe)
+        if directive.seq != self.applied + 1:
+            raise MarconiError(f"Marconi directive {directive.seq} arrived after {self.applied}: "
+                               "one was lost between the group's ranks")
+        self.applied = directive.seq
+        self._apply(directive)

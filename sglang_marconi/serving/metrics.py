@@ -22,6 +22,7 @@ A cache on which the `marconi` backend stepped aside for upstream's (`serving/pl
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Callable, Optional
 
@@ -33,12 +34,15 @@ GAUGES = {
     "marconi_hit_tokens": "Input tokens whose prefill was skipped (the sum of the responses' cached_tokens).",
     "marconi_input_tokens": "Input tokens of the requests released through the Marconi cache.",
     "marconi_prefill_flops_saved": "Prefill FLOPs saved by cache hits (model profile estimate).",
-    "marconi_alpha": "Current weight of FLOP efficiency in Marconi's eviction score (0 with SGLang's LRU).",
+    "marconi_alpha": "Weight of FLOP efficiency in Marconi's eviction score (NaN while another rule is in force: LRU, SegLen).",
+    "marconi_rule_weight": "Weight of the value column of the eviction rule in force (alpha, or SegLen's weight; 0 for LRU).",
     "marconi_ssm_states_cached": "SSM states held by the radix tree.",
     "marconi_ssm_states_admitted": "SSM states admitted into the tree (at most two per request: branch and final).",
     "marconi_evictions_leaf": "Evictions of leaves (KV and SSM state freed).",
     "marconi_evictions_single_child": "Evictions of a single-child node's SSM state (KV kept).",
     "marconi_evictions_probationary": "Probationary SSM states (kept at the end of an input) evicted, first under Mamba pressure.",
+    "marconi_evictions_fallback": "SSM states evicted in upstream's LRU order because no state sat on a node with at most one child.",
+    "marconi_probationary_states_cached": "SSM states on probation in the tree now.",
     "marconi_probationary_states_admitted": "SSM states kept on probation at the end of an input.",
     "marconi_admissions_skipped_no_slot": "Branch SSM states not admitted for lack of a Mamba slot.",
     "marconi_branch_tokens_lost_to_grid": "Tokens between branch positions and the admitted branch states before them (extra_buffer snapshot grid, chunk alignment).",
@@ -50,9 +54,14 @@ GAUGES = {
     "marconi_tuner_requests_fed": "Requests sent to the shadow tuner (sampled sessions).",
     "marconi_tuner_requests_dropped": "Sampled requests not sent to the shadow tuner because they exceed its channel (a full channel waits).",
     "marconi_tuner_requests_observed": "Requests the shadow tuner has accounted for (its heartbeat).",
-    "marconi_tuning_failures": "1 once the shadow tuner died, stalled or failed on any rank of the group (the current choice is kept).",
-    "marconi_choice_switches": "Eviction choices adopted at sync points since start-up (the same on every rank of a TP/PP group).",
-    "marconi_sync_points": "Sync points passed: every --marconi-tune-sync-every releases, where a choice takes effect and ranks agree.",
+    "marconi_tuning_failures": "1 once tuning stopped: the leader's shadow tuner died, stalled or failed (the current choice is kept).",
+    "marconi_choice_switches": "Eviction choices adopted since start-up (the same on every rank of a TP/PP group, at the same point of the stream).",
+    "marconi_sync_points": "Sync points passed: every --marconi-tune-sync-every releases, where the leader's tuner decides.",
+    "marconi_sync_waits_late": "Sync points where the tuner's verdict was not ready within --marconi-tune-sync-wait-ms (taken later).",
+    "marconi_sync_wait_seconds": "Time the scheduler spent waiting for the tuner at sync points.",
+    "marconi_directives_applied": "Directives of the group's leader (choice switches, stop tuning) applied on this rank.",
+    "marconi_faults_recovered": "Faults in Marconi's eviction index recovered by rebuilding it from the tree.",
+    "marconi_rank_local_failures": "Rank-local Marconi features (tuning, metrics) stopped by a failure on this rank.",
 }
 # One sample per eviction choice (label `choice`: "lru", an alpha such as "20", or "seglen:W").
 LABELED_GAUGES = {
@@ -66,7 +75,7 @@ INTERNAL_STATE_TARGET = (
 
 def scheduler_metric_labels(served_model_name: Optional[str] = None) -> dict:
     """The labels SGLang puts on its scheduler gauges, for this process
-    (`SchedulerMetricsCollector.init_new`, observability/metrics_collector.py:1377-1394)."""
+    (`SchedulerMetricsCollector.init_new`)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.runtime_context import get_disagg, get_observability, get_parallel, get_schedule, get_serving
 
@@ -92,7 +101,7 @@ def scheduler_metric_labels(served_model_name: Optional[str] = None) -> dict:
 def publishes_scheduler_metrics() -> bool:
     """Whether SGLang publishes its scheduler gauges from this process: `--enable-metrics` on the
     stats rank (attention-TP and attention-CP rank 0), or on every rank with
-    `--enable-metrics-for-all-schedulers` (metrics_collector.py:1359-1367)."""
+    `--enable-metrics-for-all-schedulers` (as `SchedulerMetricsCollector` decides it)."""
     from sglang.srt.runtime_context import get_observability, get_parallel
 
     observability, parallel = get_observability(), get_parallel()
@@ -152,7 +161,8 @@ class PrometheusGauges:
     def publish(self, figures: dict) -> None:
         self.publishes += 1
         for key, gauge in self.gauges.items():
-            gauge.labels(**self.labels).set(float(figures[key]))
+            value = figures[key]
+            gauge.labels(**self.labels).set(math.nan if value is None else float(value))
         scores, current = figures["marconi_shadow_scores"], figures["marconi_choice"]
         for choice in {**scores, current: 0.0}:
             self.by_choice["marconi_choice"].labels(**self.labels, choice=choice).set(float(choice == current))

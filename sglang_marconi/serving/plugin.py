@@ -48,10 +48,12 @@ def register() -> None:
 
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, marconi_radix_cache_factory)
+    from sglang_marconi.serving.group_channel import register_hooks as register_group_channel
     from sglang_marconi.serving.metrics import register_hooks
     from sglang_marconi.serving.two_pass_prefill import install_two_pass_prefill_hook
 
     register_hooks()  # /server_info readback; the idle path (tuner's partial batch, gauges)
+    register_group_channel()  # the leader's directives ride each iteration's requests
     install_two_pass_prefill_hook()  # end a prefill chunk at the branch (no_buffer mode)
 
 
@@ -124,10 +126,24 @@ def upstream_cache(ctx, why: str):
     return cache
 
 
+def agree_on_settings(group, ctx) -> None:
+    """Start-up: every rank of the group was given the same Marconi settings (the raw
+    SGLANG_MARCONI_CONFIG, before any rank parses it, and our version), or all refuse to start."""
+    import os
+
+    from sglang_marconi import __version__
+    from sglang_marconi.serving.config import ENV_VAR
+    from sglang_marconi.serving.lockstep import settings_digest
+
+    group.agree_on_settings(settings_digest(__version__, os.environ.get(ENV_VAR, ""),
+                                            getattr(ctx.params, "page_size", None)))
+
+
 def marconi_radix_cache_factory(ctx):
     from sglang.srt.mem_cache.registry import create_unified_radix_cache, default_radix_cache_factory
 
     from sglang_marconi.serving.config import MarconiServingConfig
+    from sglang_marconi.serving.lockstep import RankGroup
 
     swa_only = getattr(ctx, "is_hybrid_swa", False) and not ctx.is_hybrid_ssm and ctx.full_tokens_per_layer != 0
     if not (ctx.is_hybrid_ssm or swa_only) or ctx.disable_radix_cache:
@@ -135,19 +151,26 @@ def marconi_radix_cache_factory(ctx):
     blockers = upstream_only_flags(ctx)
     if blockers:
         return upstream_cache(ctx, f"Marconi cannot act with {', '.join(blockers)}")
+    # Every rank of a group reaches this line (what decided so far is the same on every rank);
+    # what may differ from rank to rank (its environment) is agreed on before anything reads it.
+    group = RankGroup.from_cache_params(ctx.params)
+    agree_on_settings(group, ctx)
     if swa_only:  # global + sliding-window attention, no SSM layers (serving/swa_component.py)
         from sglang_marconi.serving.swa_component import marconi_swa_radix_cache_factory
 
-        return marconi_swa_radix_cache_factory(ctx, MarconiServingConfig.from_env(), upstream_cache)
+        return marconi_swa_radix_cache_factory(ctx, MarconiServingConfig.from_env(), upstream_cache, group)
     profile, why = _profile_or_reason(ctx.model_config.hf_config)
     if profile is None:
         return upstream_cache(ctx, why)
     config = MarconiServingConfig.from_env()
     from sglang_marconi.serving.admission import admission_mixin
     from sglang_marconi.serving.cache import marconi_cache_class
-    from sglang_marconi.serving.eviction_components import MarconiEvictionSettings, marconi_component_overrides
+    from sglang_marconi.serving.components import marconi_component_overrides
+    from sglang_marconi.serving.eviction_settings import MarconiEvictionSettings
+    from sglang_marconi.serving.faults import MarconiFaults
 
-    settings = MarconiEvictionSettings(profile=profile, alpha=config.alpha or 0.0)
+    settings = MarconiEvictionSettings(profile=profile, choice=config.alpha or 0.0,
+                                       faults=MarconiFaults(group.size, group.rank))
     mixins = (admission_mixin(),) if config.admission else ()
     ctx.params.component_registry_override = {
         **(ctx.params.component_registry_override or {}),
@@ -159,9 +182,7 @@ def marconi_radix_cache_factory(ctx):
 
         cache_class = one_budget_cache_class()
     cache = create_unified_radix_cache(ctx, cache_class=cache_class)
-    from sglang_marconi.serving.lockstep import RankGroup
-
-    runtime = attach_runtime(cache, settings, config, group=RankGroup.from_cache_params(ctx.params))
+    runtime = attach_runtime(cache, config, group=group)
     from sglang_marconi.serving.metrics import publishes_scheduler_metrics
 
     if publishes_scheduler_metrics():  # where SGLang publishes its own scheduler gauges
@@ -174,17 +195,18 @@ def marconi_radix_cache_factory(ctx):
     return cache
 
 
-def attach_runtime(cache, settings, config, group=None):
-    """Give a Marconi-built cache its runtime (figures, tuning); returns the runtime."""
+def attach_runtime(cache, config, group=None):
+    """Give a Marconi-built cache (its components made `cache.marconi`) its runtime: figures,
+    tuning, lockstep. Returns the runtime."""
     from sglang_marconi.serving.runtime import MarconiRuntime
 
+    state = cache.marconi
     grid = cache.components[_mamba()].mamba_checkpoint_grid
-    cache.marconi_settings = settings
-    cache.marconi_config = config
-    settings.probation = bool(config.admission and config.probation)
-    cache.marconi_eager_index_upkeep = bool(config.admission)
-    cache.marconi_runtime = MarconiRuntime(cache, settings, config, checkpoint_grid=grid, group=group)
-    return cache.marconi_runtime
+    state.config = config
+    state.settings.probation = bool(config.admission and config.probation)
+    state.eager_index_upkeep = bool(config.admission)
+    state.runtime = MarconiRuntime(cache, state.settings, config, checkpoint_grid=grid, group=group)
+    return state.runtime
 
 
 def _mamba():

@@ -3,17 +3,20 @@ choice by shadow caches (`policy/shadow_tuner.py`).
 
 The cache (`serving/cache.py`) reports matches, evictions and releases here. With `--marconi-alpha
 auto` every finished request is fed to the shadow tuner, which runs in a background process
-(`background_tuner.py`) on the group's first rank; with `tune_workers=0` the shadows run inline on
-the scheduler thread (for tests and debugging).
+(`background_tuner.py`) on the group's leader; with `tune_workers=0` the shadows run inline on
+the scheduler thread (tests, debugging).
 
-Lockstep: every `sync_every` releases is a sync point. There the runtime adopts the tuner's choice
-*as of the previous sync point* (so the choice in force at every request is a function of the
-request stream alone, whatever the tuner's pace), and the ranks that share one scheduling agree
-on it, on any rank's tuner failure and on any Marconi fault (`lockstep.RankGroup`): nothing that
-changes the tree happens between sync points, and every rank changes it at the same one.
+Sync points: every `sync_every` releases. There the leader takes the tuner's choice *as of the
+previous sync point* (waiting for the tuner at most `sync_wait_s`, counted in
+`marconi_sync_waits_late`; a late verdict keeps the choice in force and is taken at a later sync
+point) and, where it changes something, sends a `lockstep.Directive`: a rank alone applies it at
+once; in a TP / PP group it travels with the next iteration's requests and every rank applies it
+at the same point of its stream (`group_channel.py`). No rank ever waits on another.
 
-Per-request bookkeeping lives on SGLang's `Req` (`marconi_full_kv_hit`), so a request released
-by any path (abort, retraction, PD transfer) leaves nothing behind here.
+What fails here never touches the tree (`faults.py`, rank-local): the tuner feed and the idle
+flush stop tuning (the leader tells the group), the figures and the exporter stop the metrics.
+Per-request figures live in `req.marconi`, so a request released by any path (abort, retraction,
+PD transfer) leaves nothing behind here.
 
 The shadows model SGLang's two pools: KV tokens (the KV pool's size) and SSM states (the Mamba
 pool's slots), each scaled by the sample rate; under `--enable-unified-memory`, the one byte
@@ -23,14 +26,17 @@ budget both kinds share (`shadow_budget`).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_marconi.policy.eviction import SegLenEviction
-from sglang_marconi.policy.shadow_tuner import LRU, Choice, ShadowTuner, choice_label, eviction_for, seglen_choice
+from sglang_marconi.policy.shadow_tuner import Choice, ShadowTuner
+from sglang_marconi.serving.cache_state import request_state
+from sglang_marconi.serving.lockstep import Directive, GroupChannel, LocalChannel, RankGroup
 
 log = logging.getLogger("sglang_marconi")
+TUNING, METRICS = "tuning", "metrics"  # the rank-local features a failure can stop
 
 
 @dataclass
@@ -50,6 +56,7 @@ class InlineShadowTuner:
 
     failed = None
     dropped = 0
+    late = 0
 
     def __init__(self, profile, capacity_bytes, config, *, sync_every: int = 32, **kwargs):
         from sglang_marconi.serving.background_tuner import SyncRecorder
@@ -73,11 +80,11 @@ class InlineShadowTuner:
     def flush_idle(self) -> None:
         pass
 
-    def choice_at(self, k: int) -> Choice:
-        choice = self.choices[self._table.pop(k)]
+    def choice_at(self, k: int, wait_s: float | None = None) -> Choice | None:
+        index = self._table.pop(k, None)
         for old in [j for j in self._table if j < k]:
             del self._table[old]
-        return choice
+        return None if index is None else self.choices[index]
 
     @property
     def observed(self) -> int:
@@ -99,28 +106,32 @@ class InlineShadowTuner:
 
 class MarconiRuntime:
     def __init__(self, cache, settings, config, checkpoint_grid: int, group=None):
-        from sglang_marconi.serving.lockstep import RankGroup
-
         self.settings = settings
+        self.faults = settings.faults
         self.profile = settings.profile
         self.config = config
         self.checkpoint_grid = checkpoint_grid
         self.group = group if group is not None else RankGroup()
         self.sync_every = config.tune_sync_every
+        self.sync_wait_s = config.tune_sync_wait_s
         self.figures = ServingFigures()
         self.cache = cache
         self.exporter = None  # PrometheusGauges when SGLang runs with --enable-metrics
         self.tuner = None
         self.tuner_log = None  # the tuner's log, once closed
         self.released = 0  # releases seen: the stream position sync points are counted in
-        self.tuning_failed: str | None = None  # why the group stopped tuning (any rank's tuner failed)
+        self.tuning_failed: str | None = None  # why the group stopped tuning
+        self.sync_waits_late = 0  # sync points where the tuner's verdict was not ready in time
+        self.sync_wait_s_total = 0.0  # time spent waiting for the tuner at sync points
+        self.directives_applied = 0
         self._tuning = config.alpha is None
-        self._syncing = self._tuning or not self.group.single  # a group agrees on faults even without tuning
-        self.adoptions: list[tuple[int, Choice]] = []  # (requests released, choice adopted then)
+        self._sent = 0  # directives sent (the leader)
+        self.adoptions: list[tuple[int, Choice]] = []  # (releases seen, choice adopted then)
         self.ranks = _parallel_ranks()  # which scheduler this is, for /server_info
-        settings.on_fault = self._on_fault
+        self.channel = LocalChannel(self.apply) if self.group.single else GroupChannel(self.apply)
+        self.faults.on_fall_back = self._on_fall_back
         if self._tuning:
-            self._adopt(config.tuning().start)
+            self.settings.choice = config.tuning().start
             if self.group.is_leader:
                 self.tuner = self._start_tuner(cache)
 
@@ -133,39 +144,39 @@ class MarconiRuntime:
             return InlineShadowTuner(self.profile, capacity, self.config.tuning(), **kwargs)
         from sglang_marconi.serving.background_tuner import BackgroundShadowTuner
 
-        return BackgroundShadowTuner(self.profile, capacity, self.config.tuning(),
-                                     stall_s=self.config.tune_timeout_s, **kwargs)
-
-    @property
-    def alpha(self) -> float:
-        return 0.0 if self.settings.use_upstream_lru else self.settings.alpha
+        return BackgroundShadowTuner(self.profile, capacity, self.config.tuning(), stall_s=self.config.tune_timeout_s,
+                                     put_wait_s=self.sync_wait_s, **kwargs)
 
     @property
     def choice(self) -> Choice:
-        s = self.settings
-        if s.use_upstream_lru:
-            return LRU
-        return seglen_choice(s.alpha) if s.value_kind == "seglen" else s.alpha
+        return self.settings.choice
+
+    @property
+    def alpha(self) -> float:
+        return self.settings.alpha
 
     @property
     def faulted(self) -> str | None:
-        return getattr(self.settings, "faulted", None)
+        return self.faults.fallen_back
 
-    def _adopt(self, choice: Choice) -> None:
-        s = self.settings
-        if choice == LRU:
-            s.use_upstream_lru = True
+    @property
+    def tuning(self) -> bool:
+        return self._tuning
+
+    # -- the cache's reports (rank-local: figures only) ----------------------------------------
+    def report(self, where: str, fn, *args) -> None:
+        """Run one of the cache's reports; a failure stops the figures on this rank, never more."""
+        if self.faults.stopped(METRICS):
             return
-        eviction = eviction_for(choice)  # the weight and the kind of value column it ranks by
-        s.use_upstream_lru = False
-        s.value_kind = "seglen" if isinstance(eviction, SegLenEviction) else "flops"
-        s.alpha = eviction.alpha
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.faults.rank_local(METRICS, where, exc)
 
-    # -- the cache's reports -----------------------------------------------------------------
     def on_match(self, req, full_kv_hit: int) -> None:
         # A waiting request is matched again at each scheduling round; the last match is the
         # one its prefill used. Kept on the request: it goes when the request goes.
-        req.marconi_full_kv_hit = full_kv_hit
+        request_state(req).full_kv_hit = full_kv_hit
 
     def on_evict(self, tokens: int, states: int) -> None:
         self.figures.evicted_tokens += tokens
@@ -174,74 +185,100 @@ class MarconiRuntime:
     def on_release(self, req) -> None:
         """A request released into the tree. Its prefix whose prefill was skipped is what SGLang
         reports (`req.cached_tokens`)."""
-        try:
-            self._account(req)
-            if self.tuner is not None and self._tuning and self.tuner.failed is None:
-                # SGLang caches input + output[:-1]: the last decoded token was never fed back (no KV).
-                self.tuner.observe(str(req.session_id or req.rid), req.origin_input_ids, req.output_ids[:-1])
-        except Exception as exc:  # never the scheduler: fall back (the group follows at the sync point)
-            self._fault("release", exc)
+        self.report("on_release", self._account, req)
+        self._feed_tuner(req)
         self.released += 1
-        if self._syncing and self.released % self.sync_every == 0:
-            self._sync(self.released // self.sync_every)
+        if self.released % self.sync_every == 0:
+            self._sync_point(self.released // self.sync_every)
         self._publish()
 
     def _account(self, req) -> None:
         n = len(req.origin_input_ids)
         hit = req.cached_tokens
+        state = req.__dict__.get("marconi")
+        full_kv_hit = state.full_kv_hit if state is not None else 0
         f = self.figures
         f.requests += 1
         f.input_tokens += n
         f.hit_tokens += hit
-        f.blocked_tokens += max(0, min(getattr(req, "marconi_full_kv_hit", 0), n - 1) - hit)
+        f.blocked_tokens += max(0, min(full_kv_hit, n - 1) - hit)
         f.flops_total += self.profile.prefill_flops(0, n)
         f.flops_saved += self.profile.prefill_flops(0, hit)
 
+    def _feed_tuner(self, req) -> None:
+        tuner = self.tuner
+        if tuner is None or not self._tuning or tuner.failed is not None or self.faults.stopped(TUNING):
+            return
+        try:
+            # SGLang caches input + output[:-1]: the last decoded token was never fed back (no KV).
+            tuner.observe(str(req.session_id or req.rid), req.origin_input_ids, req.output_ids[:-1])
+        except Exception as exc:
+            self._tuner_broke("the tuner feed", exc)
+
     def on_idle(self) -> None:
         """The scheduler has nothing to run: hand the tuner what is batched, publish the gauges."""
-        try:
-            if self.tuner is not None and self._tuning and self.tuner.failed is None:
-                self.tuner.flush_idle()
-            self._publish(idle=True)
-        except Exception as exc:
-            self._fault("idle", exc)
-
-    # -- sync points -------------------------------------------------------------------------
-    def _sync(self, k: int) -> None:
-        """Sync point k (release k * sync_every), at the same request on every rank."""
-        choice, failed = -1, False
         tuner = self.tuner
-        if tuner is not None and self._tuning:
+        if tuner is not None and self._tuning and tuner.failed is None and not self.faults.stopped(TUNING):
+            try:
+                tuner.flush_idle()
+            except Exception as exc:
+                self._tuner_broke("the tuner's idle flush", exc)
+        self._publish(idle=True)
+
+    def _tuner_broke(self, where: str, exc: BaseException) -> None:
+        """Rank-local: tuning stops (the leader's next sync point tells the group); the tree and
+        the choice in force are untouched."""
+        self.faults.rank_local(TUNING, where, exc)
+        try:
+            self.tuner.stop()
+        except Exception:  # noqa: BLE001 - stopping is best effort: the feed is already off
+            pass
+
+    # -- sync points -----------------------------------------------------------------------------
+    def _sync_point(self, k: int) -> None:
+        """Sync point k (release k * sync_every). Only the leader's tuner decides; the decision
+        reaches every rank as a directive."""
+        tuner = self.tuner
+        if tuner is None or not self._tuning:
+            return
+        why = self.faults.rank_local_failures.get(TUNING)
+        decided = None
+        if why is None and tuner.failed is None:
+            started = time.monotonic()
             try:
                 tuner.mark_sync()
-                decided = tuner.choice_at(k - 1) if tuner.failed is None else None
-                failed = tuner.failed is not None or decided is None
-                if not failed:
-                    choice = tuner.choices.index(decided)
+                decided = tuner.choice_at(k - 1, wait_s=self.sync_wait_s)
             except Exception as exc:
-                self._fault("tuner", exc)
-                failed = True
-        try:
-            agreed = self.group.agree(choice, failed, self.faulted is not None)
-        except Exception as exc:  # the group itself is broken: this rank can only fall back alone
-            self._syncing = False
-            return self._fault("rank group", exc)
-        if agreed.faulted:
-            if self.faulted is None:
-                self._fault("another rank of the group", RuntimeError("Marconi faulted there"))
-            self._stop_tuning("a Marconi fault")
-            self._syncing = False  # nothing left to agree on: every rank stops here
+                self._tuner_broke("the tuner at a sync point", exc)
+                why = self.faults.rank_local_failures.get(TUNING)
+            self.sync_wait_s_total += time.monotonic() - started
+        if why is None and tuner.failed is not None:
+            why = tuner.failed
+        if why is not None:
+            return self._send(Directive(self._sent, stop_tuning=why))
+        if decided is None:
+            self.sync_waits_late += 1  # not ready in time: the choice in force stays for now
             return
-        if agreed.tuner_failed and self._tuning:
-            why = tuner.failed if tuner is not None and tuner.failed else "the group's shadow tuner failed"
-            return self._stop_tuning(why)
-        if self._tuning and agreed.choice >= 0:
-            chosen = self.config.tuning().choices[agreed.choice]
+        if decided != self.choice:
+            self._send(Directive(self._sent, choice=tuner.choices.index(decided),
+                                 stop_tuning="" if not self.config.retune else None))
+
+    def _send(self, directive: Directive) -> None:
+        self._sent += 1
+        self.channel.send(directive)
+
+    def apply(self, directive: Directive) -> None:
+        """A directive from the leader, at the same point of the stream on every rank."""
+        self.directives_applied += 1
+        if not self._tuning:
+            return
+        if directive.choice is not None:
+            chosen = self.config.tuning().choices[directive.choice]
             if chosen != self.choice:
-                self._adopt(chosen)
-                self.adoptions.append((self.figures.requests, chosen))
-                if not self.config.retune:  # the paper tunes once: stop here
-                    self._stop_tuning(None)
+                self.settings.choice = chosen
+                self.adoptions.append((self.released, chosen))
+        if directive.stop_tuning is not None:  # "" : retune off, the first decision is final
+            self._stop_tuning(directive.stop_tuning or None)
 
     def _stop_tuning(self, why: str | None) -> None:
         if not self._tuning:
@@ -250,75 +287,74 @@ class MarconiRuntime:
         if why is not None:
             self.tuning_failed = why
         if self.tuner is not None:
-            self.tuner.stop()
-        self._syncing = not self.group.single and self.faulted is None
+            try:
+                self.tuner.stop()
+            except Exception:  # noqa: BLE001 - the feed is off either way
+                pass
 
-    # -- faults --------------------------------------------------------------------------------
-    def _fault(self, where: str, exc: BaseException) -> None:
-        fault = getattr(self.settings, "fault", None)
-        if fault is not None:
-            fault(where, exc)
-        else:  # settings without the fault protocol: warn once here
-            if getattr(self.settings, "faulted", None) is None:
-                self.settings.faulted = f"{where}: {type(exc).__name__}: {exc}"
-                log.warning("Marconi fault in %s (%s: %s); falling back to upstream's eviction", where,
-                            type(exc).__name__, exc)
-            self._on_fault()
+    def _on_fall_back(self, why: str) -> None:
+        """A rank alone fell back to upstream's rules after an unrecoverable fault: no more tuning."""
+        self._stop_tuning(None)
 
-    def _on_fault(self, *args) -> None:
-        """Called once by the settings on the first fault: no more tuning on this rank (the group
-        stops at the next sync point)."""
-        if self.tuner is not None and self._tuning:
-            self.tuner.stop()
-
+    # -- metrics (rank-local) --------------------------------------------------------------------
     def _publish(self, idle: bool = False) -> None:
         exporter = self.exporter
-        if exporter is None:
+        if exporter is None or self.faults.stopped(METRICS):
             return
         # At most once per metrics interval (the stats rank only builds an exporter); the idle
         # path publishes what a throttled call left unpublished.
-        exporter.maybe_publish(lambda: self.metrics(self.cache), idle=idle)
+        try:
+            exporter.maybe_publish(lambda: self.metrics(self.cache), idle=idle)
+        except Exception as exc:
+            self.faults.rank_local(METRICS, "the metrics exporter", exc)
 
     def metrics(self, cache) -> dict:
         """The figures `/server_info` and the Prometheus gauges show."""
         f = self.figures
-        admission = getattr(cache.components.get(_mamba_type()), "marconi_admission_counters", None)
-        counters = self.settings.counters
-        two_pass = cache.__dict__.get("marconi_two_pass_counters")  # set by two_pass_prefill.py
+        state = cache.marconi
+        admission, two_pass, counters = state.admission, state.two_pass, self.settings.counters
         tuner = self.tuner
+        flop_rule = self.settings.kind == "flops"
         return {
             "marconi_token_hit_rate": f.hit_tokens / f.input_tokens if f.input_tokens else 0.0,
             "marconi_hit_tokens": f.hit_tokens,
             "marconi_input_tokens": f.input_tokens,
             "marconi_prefill_flops_saved": f.flops_saved,
             "marconi_prefill_flops_saved_fraction": f.flops_saved / f.flops_total if f.flops_total else 0.0,
-            "marconi_alpha": self.alpha,
+            "marconi_alpha": self.settings.weight if flop_rule else None,
+            "marconi_rule_weight": self.settings.weight,
             "marconi_eviction_policy": "upstream" if self.faulted is not None else
-            "lru" if self.settings.use_upstream_lru else ("seglen" if self.settings.value_kind == "seglen" else "marconi"),
-            "marconi_choice": choice_label(self.choice),
+            ("marconi" if flop_rule else self.settings.kind),
+            "marconi_choice": self.settings.label,
             "marconi_shadow_scores": tuner.scores() if tuner is not None else {},
             "marconi_tuner_requests_fed": tuner.fed if tuner is not None else 0,
             "marconi_tuner_requests_dropped": tuner.dropped if tuner is not None else 0,
             "marconi_tuner_requests_observed": tuner.observed if tuner is not None else 0,
             "marconi_ssm_states_cached": _states_in_tree(cache),
-            "marconi_ssm_states_admitted": admission.final_states_admitted + admission.branch_states_admitted
-            if admission else 0,
+            "marconi_ssm_states_admitted": admission.final_states_admitted + admission.branch_states_admitted,
             "marconi_checkpoint_grid": self.checkpoint_grid,
             "marconi_evictions_leaf": counters.evictions_leaf,
             "marconi_evictions_single_child": counters.evictions_single_child,
             "marconi_evictions_probationary": counters.evictions_probationary,
-            "marconi_probationary_states_admitted": admission.probationary_admitted if admission else 0,
-            "marconi_admissions_skipped_no_slot": admission.skipped_no_slot if admission else 0,
-            "marconi_branch_tokens_lost_to_grid": admission.grid_lost_tokens if admission else 0,
+            "marconi_evictions_fallback": counters.evictions_fallback,
+            "marconi_probationary_states_admitted": admission.probationary_admitted,
+            "marconi_probationary_states_cached": len(state.probation),
+            "marconi_admissions_skipped_no_slot": admission.skipped_no_slot,
+            "marconi_branch_tokens_lost_to_grid": admission.grid_lost_tokens,
             "marconi_blocked_hit_tokens": f.blocked_tokens,
             "marconi_requests": f.requests,
-            "marconi_tuning_failures": int(self.tuning_failed is not None or (tuner is not None and tuner.failed is not None)),
+            "marconi_tuning_failures": int(self.tuning_failed is not None or self.faults.stopped(TUNING)
+                                           or (tuner is not None and tuner.failed is not None)),
             "marconi_choice_switches": len(self.adoptions),
             **self.ranks,
             "marconi_sync_points": self.released // self.sync_every,
-            "marconi_two_pass_splits": two_pass.splits + two_pass.continuation_splits if two_pass else 0,
-            "marconi_two_pass_skipped": two_pass.skipped_other_chunked + two_pass.skipped_unaligned if two_pass else 0,
-            "marconi_two_pass_deferred": two_pass.deferred_second_chunked if two_pass else 0,
+            "marconi_sync_waits_late": self.sync_waits_late,
+            "marconi_sync_wait_seconds": self.sync_wait_s_total,
+            "marconi_directives_applied": self.directives_applied,
+            **self.faults.figures(),
+            "marconi_two_pass_splits": two_pass.splits + two_pass.continuation_splits,
+            "marconi_two_pass_skipped": two_pass.skipped_other_chunked + two_pass.skipped_unaligned,
+            "marconi_two_pass_deferred": two_pass.deferred_second_chunked,
         }
 
     def close(self) -> None:
@@ -329,7 +365,7 @@ class MarconiRuntime:
             tuning, self._tuning = self._tuning, False
             self.tuner_log = self.tuner.close()
             if tuning and self.group.single and self.tuner_log is not None and self.faulted is None:
-                self._adopt(self.tuner_log.decisions[-1][1])
+                self.settings.choice = self.tuner_log.decisions[-1][1]
 
 
 def _parallel_ranks() -> dict:
@@ -344,12 +380,6 @@ def _parallel_ranks() -> dict:
     except Exception:  # noqa: BLE001 - no server context: nothing to label
         return {}
     return {k: v for k, v in ranks.items() if isinstance(v, int)}
-
-
-def _mamba_type():
-    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-
-    return ComponentType.MAMBA
 
 
 def _states_in_tree(cache) -> int:

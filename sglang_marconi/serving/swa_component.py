@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sglang_marconi.policy.window_plan import LEAF, STALE, WindowPlan, reference_plan
+from sglang_marconi.serving.cache_state import MarconiCacheState
+from sglang_marconi.serving.faults import MarconiFaults
 
 log = logging.getLogger("sglang_marconi")
 DEFAULT_SWA_ALPHA = 1.0  # no online tuning for windows in the server yet: a fixed FLOP weight
@@ -92,6 +94,16 @@ class SWARuntime:
         self.settings = settings
         self.figures = SWAFigures()
 
+    def report(self, where: str, fn, *args) -> None:
+        """Run one of the cache's reports; a failure stops the figures on this rank, never more."""
+        faults = self.settings.faults
+        if faults.stopped("metrics"):
+            return
+        try:
+            fn(*args)
+        except Exception as exc:
+            faults.rank_local("metrics", where, exc)
+
     def on_match(self, req, full_kv_hit_length) -> None:
         pass
 
@@ -99,6 +111,9 @@ class SWARuntime:
         pass
 
     def on_release(self, req) -> None:
+        self.report("on_release", self._account, req)
+
+    def _account(self, req) -> None:
         self.figures.requests += 1
         self.figures.prompt_tokens += len(req.origin_input_ids)
         self.figures.hit_tokens += int(getattr(req, "cached_tokens", 0) or 0)
@@ -108,6 +123,7 @@ class SWARuntime:
 
     def metrics(self, cache) -> dict:
         figures = self.figures.as_dict(self.settings.alpha, self.settings.window)
+        figures.update(self.settings.faults.figures())
         if self.settings.faulted:
             figures.update(marconi_eviction_policy="upstream", marconi_fault=self.settings.faulted)
         return figures
@@ -119,12 +135,12 @@ class SWASettings:
     alpha: float
     window: int
     figures: SWAFigures
-    faulted: str | None = None  # set by the first exception in Marconi's plan: upstream's walk after
+    faults: MarconiFaults = field(default_factory=MarconiFaults)  # the cache's fault protocol (faults.py)
 
-    def fault(self, exc: BaseException) -> None:
-        if self.faulted is None:
-            log.warning("Marconi SWA eviction failed (%r); SGLang's own SWA eviction from now on", exc)
-            self.faulted = repr(exc)
+    @property
+    def faulted(self) -> str | None:
+        """Why this cache serves upstream's SWA eviction (a rank alone after an unrecoverable fault)."""
+        return self.faults.fallen_back
 
 
 class SGLangWindowView:
@@ -202,7 +218,7 @@ def marconi_swa_component_class():
                 if self.marconi_plan is None or self.marconi_plan.root is not self.tree_core.root_node:
                     self._marconi_bind()
             except Exception as exc:
-                self._marconi_fault(exc)
+                self._marconi_unrecoverable("plan bind", exc)
                 self._marconi_upstream = True
                 super()._evict_device_start(request_cnt)
 
@@ -226,15 +242,7 @@ def marconi_swa_component_class():
                         continue
                     self._tombstone(node, tracker, device_frees, host_frees, cache_actions)
                     return None
-                victim = None
-                if not settings.faulted:
-                    try:
-                        victim = self.marconi_plan.next_victim(settings.alpha)
-                        if victim is not None and unusable is not None and victim[1] == unusable:
-                            raise RuntimeError(f"SWA plan repeats a victim it cannot evict: {victim}")
-                    except Exception as exc:  # Marconi's own fault: upstream's eviction from now on
-                        self._marconi_fault(exc)
-                        victim = None
+                victim = None if settings.faulted else self._marconi_next_victim(unusable)
                 if victim is None:
                     break
                 kind, nodes = victim
@@ -281,24 +289,50 @@ def marconi_swa_component_class():
             try:
                 self._marconi_bind()
             except Exception as exc:
-                self._marconi_fault(exc)
+                self._marconi_fault(exc, "plan bind")
 
         def marconi_upkeep(self) -> None:
             """Flush what changed since the last step (a safe point: the tree is consistent), or
             rebind after a reset (the tree is new, and small)."""
             plan = self.marconi_plan
-            if plan is None or plan.root is None or self.marconi_swa_settings.faulted:
+            if plan is None or self.marconi_swa_settings.faulted:
                 return
             try:
-                if plan.root is not self.tree_core.root_node:
+                if plan.root is not self.tree_core.root_node:  # a reset, or dropped after a fault
                     self._marconi_bind()
                 else:
                     plan.flush()
             except Exception as exc:
-                self._marconi_fault(exc)
+                self._marconi_fault(exc, "plan upkeep")
 
-        def _marconi_fault(self, exc: BaseException) -> None:
-            self.marconi_swa_settings.fault(exc)
+        def _marconi_next_victim(self, unusable):
+            """The plan's next victim. A fault is recovered by rebuilding the plan from the tree
+            (derived state: every rank rebuilds the same) and asking again; a second one is
+            unrecoverable (`faults.py`): None, and upstream's walk from then on."""
+            for attempt in (1, 2):
+                try:
+                    if self.marconi_plan.root is None:
+                        self._marconi_bind()
+                    victim = self.marconi_plan.next_victim(self.marconi_swa_settings.alpha)
+                    if victim is not None and unusable is not None and victim[1] == unusable:
+                        raise RuntimeError(f"SWA plan repeats a victim it cannot evict: {victim}")
+                    return victim
+                except Exception as exc:
+                    if attempt == 1:
+                        self._marconi_fault(exc, "victim choice")
+                    else:
+                        self._marconi_unrecoverable("victim choice", exc)
+            return None
+
+        def _marconi_fault(self, exc: BaseException, where: str = "window plan") -> None:
+            """The plan (derived from the tree) failed: dropped, rebuilt from the tree at its next use."""
+            if self.marconi_plan is not None:
+                self.marconi_plan.detach()
+            self.marconi_swa_settings.faults.recovered(f"MarconiSWAComponent.{where}", exc)
+
+        def _marconi_unrecoverable(self, where: str, exc: BaseException) -> None:
+            """Raises on a rank of a group; a rank alone serves upstream's SWA eviction from here on."""
+            self.marconi_swa_settings.faults.unrecoverable(f"MarconiSWAComponent.{where}", exc)
             if self.marconi_plan is not None:
                 self.marconi_plan.detach()
 
@@ -416,32 +450,38 @@ def marconi_swa_cache_class():
     from sglang_marconi.serving.cache import marconi_cache_class
 
     class MarconiSWARadixCache(marconi_cache_class()):
-        marconi_swa_window = 0
-
         def swa_retain_floor(self, req):
             # Keep the window before a new branch point until the prefix up to it is inserted
             # (SGLang inserts it with live SWA: the branch window Marconi's admission keeps).
             base = super().swa_retain_floor(req)
             branch = getattr(req, "swa_branching_seqlen", None)
-            if branch is None or not self.marconi_swa_window:
+            window = self.marconi.settings.window if self.marconi is not None else 0
+            if branch is None or not window:
                 return base
-            floor = max(0, branch - self.marconi_swa_window) // self.page_size * self.page_size
+            floor = max(0, branch - window) // self.page_size * self.page_size
             return floor if base is None else min(base, floor)
 
         def on_release(self, req, *, checkpointed):
             super().on_release(req, checkpointed=checkpointed)
             # Bring the eviction plan up to date now, off the next allocation's path.
-            component = getattr(self, "marconi_swa_component", None)
+            component = self._marconi_swa_component()
             if component is not None:
                 component.marconi_upkeep()
+
+        def _marconi_swa_component(self):
+            from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+            component = self.tree_core.components_by_type.get(ComponentType.SWA)
+            return component if hasattr(component, "marconi_upkeep") else None
 
     MarconiSWARadixCache.__qualname__ = MarconiSWARadixCache.__name__
     return MarconiSWARadixCache
 
 
-def marconi_swa_radix_cache_factory(ctx, config, fallback):
+def marconi_swa_radix_cache_factory(ctx, config, fallback, group=None):
     """The `marconi` cache for an SWA hybrid without SSM layers; `fallback(ctx, why)` builds
-    upstream's cache (one warning) where we cannot model the architecture."""
+    upstream's cache (one warning) where we cannot model the architecture. `group`: the ranks
+    sharing this scheduling (`lockstep.RankGroup`), for the fault protocol."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
@@ -457,17 +497,16 @@ def marconi_swa_radix_cache_factory(ctx, config, fallback):
     window = int(ctx.params.swa_retain_window or profile.sliding_window)
     alpha = DEFAULT_SWA_ALPHA if config.alpha is None else config.alpha
     figures = SWAFigures()
-    settings = SWASettings(profile=profile, alpha=alpha, window=window, figures=figures)
+    faults = MarconiFaults(group.size, group.rank) if group is not None else MarconiFaults()
+    settings = SWASettings(profile=profile, alpha=alpha, window=window, figures=figures, faults=faults)
     component = type("MarconiSWAComponent", (marconi_swa_component_class(),),
                      {"marconi_swa_settings": settings, "__module__": __name__})
     ctx.params.component_registry_override = {**(ctx.params.component_registry_override or {}),
                                               ComponentType.SWA: component}
     cache = create_unified_radix_cache(ctx, cache_class=marconi_swa_cache_class())
-    cache.marconi_swa_window = window
-    cache.marconi_swa_component = cache.tree_core.components_by_type[ComponentType.SWA]
-    cache.marconi_swa_component.marconi_start()
     runtime = SWARuntime(settings)
     runtime.figures = figures
-    cache.marconi_runtime = runtime
+    cache.marconi = MarconiCacheState(settings, runtime=runtime, config=config)
+    cache.tree_core.components_by_type[ComponentType.SWA].marconi_start()
     log.info("Marconi SWA cache for %s: window=%d, alpha=%s", profile.name, window, alpha)
     return cache

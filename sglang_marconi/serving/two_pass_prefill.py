@@ -1,14 +1,22 @@
-"""Two-pass prefill inside SGLang's scheduler: end a prefill chunk at the branch position.
+"""Two-pass prefill inside SGLang's scheduler: end a prefill chunk where the branch's state can be
+kept exactly.
 
 Marconi admits a request's branch state from the checkpoint at `req.mamba_branching_seqlen`
-(the exact branch, set at match time; see `admission.py`). In SGLang's no_buffer mode (the
-default without overlap scheduling / with page size 1) a Mamba state exists only at the end of
-an extend, so when the branch lies strictly inside the extend that `PrefillAdder` picks, the
-extend is ended at the branch and the request continues as SGLang's (single) chunked request in
-the next round; `Scheduler.stash_chunked_request` -> `checkpoint_kv_cache` then runs at exactly
-the branch length. In extra_buffer mode no chunk is split: the forward pass snapshots a state
-inside the extend, and a third hook steers that snapshot to the branch (below). Nothing changes
-when the tree cache is not Marconi's.
+(the exact branch, set at match time; see `admission.py`). Where the chunk ends depends on
+SGLang's Mamba radix-cache strategy (`admission.chunk_end_for_branch`):
+- no_buffer (the default without overlap scheduling): a Mamba state exists only at the end of an
+  extend, so when the branch lies strictly inside the extend that `PrefillAdder` picks, the extend
+  is ended at the branch and the request continues as SGLang's (single) chunked request in the
+  next round; `Scheduler.stash_chunked_request` -> `checkpoint_kv_cache` then runs at exactly the
+  branch length.
+- extra_buffer (the GPU default): the forward pass snapshots states only a whole number of grid
+  steps (64) into each extend. The chunk is ended where the next extend starts a whole number of
+  steps before the branch, so its snapshot lands exactly on the branch (an extend that started at
+  the hit would snapshot up to 63 tokens short of it, and that loss is most of what Marconi lost
+  to upstream in this mode: docs/benchmarks.md). Where no extend can start there (the branch
+  less than one step past the hit), a third hook steers the snapshot to the last grid position
+  before the branch.
+Nothing changes when the tree cache is not Marconi's (or runs upstream's admission).
 
 Done with AROUND hooks from SGLang's `HookRegistry` (no source patch):
 
@@ -34,11 +42,16 @@ Done with AROUND hooks from SGLang's `HookRegistry` (no source patch):
   position at or before it (`admission.tracked_position_for_branch`), so the state kept for the
   branch is the closest one the mode can snapshot, the branch itself when it is on that grid.
 
-Split positions come from `admission.chunk_end_for_branch`. Where a cut at the branch is not
-page aligned (or not on `truncation_align_size`), the chunk is ended at the last aligned position
-before the branch instead, if there is one after the prefix (`req.marconi_branch_cut`, which
-admission then takes for the branch state), else not split (counted `skipped_unaligned`).
-Counters live on the tree cache, `tree_cache.marconi_two_pass_counters`.
+Split positions come from `admission.chunk_end_for_branch`. In no_buffer mode, where a cut at the
+branch is not page aligned (or not on `truncation_align_size`), the chunk is ended at the last
+aligned position before the branch instead, if there is one after the prefix
+(`req.marconi.branch_cut`, which admission then takes for the branch state), else not split
+(counted `skipped_unaligned`); in extra_buffer mode a cut off those grids is not made (counted).
+Counters live in the cache's Marconi state (`cache.marconi.two_pass`).
+
+Faults: the chunking decision changes what the scheduler runs, and has nothing derived to rebuild,
+so an exception in Marconi's part of a hook is unrecoverable (`faults.py`): a rank alone goes on
+with upstream's chunking, a rank of a group stops the group.
 """
 
 from __future__ import annotations
@@ -47,9 +60,9 @@ import dataclasses
 import functools
 import math
 import pkgutil
-from dataclasses import dataclass
 
 from sglang_marconi.serving.admission import chunk_end_for_branch, tracked_position_for_branch
+from sglang_marconi.serving.cache_state import TwoPassCounters, request_state
 
 _POLICY = "sglang.srt.managers.schedule_policy.PrefillAdder"
 SELECT_TARGET = f"{_POLICY}._select_prefill_admission"
@@ -57,22 +70,21 @@ CHUNKED_TARGET = f"{_POLICY}.add_chunked_req"
 TRACK_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend"
 
 
-@dataclass
-class TwoPassCounters:
-    splits: int = 0  # new requests whose extend was ended at their branch
-    continuation_splits: int = 0  # continuing chunked requests ended at their branch
-    skipped_other_chunked: int = 0  # branch inside the extend, but another request is chunked
-    skipped_unaligned: int = 0  # branch not on the page / truncation grid, and no aligned cut before it
-    aligned_below: int = 0  # branch not on the page / truncation grid: cut at the last aligned position
-    deferred_second_chunked: int = 0  # a new chunked admission refused: one is chunked already
-
-
 def two_pass_active(tree_cache) -> bool:
-    """Marconi's tree cache in no_buffer mode."""
+    """Marconi's tree cache with Marconi's admission (which reports exact branches), either mode."""
+    state = getattr(tree_cache, "marconi", None)
     return (
-        getattr(tree_cache, "marconi_settings", None) is not None
-        and getattr(tree_cache, "enable_mamba_extra_buffer", True) is False
+        state is not None and state.index is not None and state.faults.fallen_back is None
+        and _mamba_component(tree_cache) is not None
     )
+
+
+def snapshot_step(tree_cache) -> int | None:
+    """extra_buffer mode: the grid SGLang's forward pass snapshots states on (relative to each
+    extend's start); no_buffer mode: None (a state exists at an extend's end only)."""
+    if not getattr(tree_cache, "enable_mamba_extra_buffer", False):
+        return None
+    return _mamba_component(tree_cache).mamba_checkpoint_grid
 
 
 def _mamba_component(tree_cache):
@@ -82,11 +94,11 @@ def _mamba_component(tree_cache):
 
 def branch_tracking_active(tree_cache) -> bool:
     """Marconi's admission (which reports exact branches), in extra_buffer mode."""
-    return getattr(tree_cache, "enable_mamba_extra_buffer", False) is True and _mamba_component(tree_cache) is not None
+    return getattr(tree_cache, "enable_mamba_extra_buffer", False) is True and two_pass_active(tree_cache)
 
 
 def counters(tree_cache) -> TwoPassCounters:
-    return tree_cache.__dict__.setdefault("marconi_two_pass_counters", TwoPassCounters())
+    return tree_cache.marconi.two_pass
 
 
 def _aligned(adder, prefix_len: int, end: int, truncation_align_size=None) -> bool:
@@ -107,7 +119,7 @@ def _cut(adder, req, prefix_len: int, branch: int, truncation_align_size=None) -
         cut -= step
     if cut <= prefix_len:
         return None
-    req.marconi_branch_cut = cut
+    request_state(req).branch_cut = cut
     return cut
 
 
@@ -120,7 +132,7 @@ def _select_around(original, adder, req, *args, **kwargs):
 
     if isinstance(admission, AddReqResult):
         return admission
-    req.marconi_branch_cut = None  # admitted from a new match: no cut made for its branch yet
+    request_state(req).branch_cut = None  # admitted from a new match: no cut made for its branch yet
     another_chunked = kwargs.get("has_chunked_req", False) or adder.new_chunked_req is not None
     if admission.is_chunked and another_chunked:
         counters(cache).deferred_second_chunked += 1
@@ -129,19 +141,24 @@ def _select_around(original, adder, req, *args, **kwargs):
     end = prefix + admission.extend_len
     if prefix != req.prefix_len:  # a host hit would be loaded first: leave the shape alone
         return admission
-    cut = chunk_end_for_branch(req, end)
+    step = snapshot_step(cache)
+    cut = chunk_end_for_branch(req, end, step)
     if not prefix < cut < end:
         return admission
     if another_chunked:
         counters(cache).skipped_other_chunked += 1
         return admission
-    branch = cut
-    cut = _cut(adder, req, prefix, branch, kwargs.get("truncation_align_size"))
-    if cut is None:
+    if step is None:  # no_buffer: at the branch, else at the last aligned position before it
+        branch = cut
+        cut = _cut(adder, req, prefix, branch, kwargs.get("truncation_align_size"))
+        if cut is None:
+            counters(cache).skipped_unaligned += 1
+            return admission
+        if cut != branch:
+            counters(cache).aligned_below += 1
+    elif not _aligned(adder, prefix, cut, kwargs.get("truncation_align_size")):
         counters(cache).skipped_unaligned += 1
         return admission
-    if cut != branch:
-        counters(cache).aligned_below += 1
     counters(cache).splits += 1
     # Keep max_new_tokens: the request is charged as if it finished its prefill (over-reserving).
     return dataclasses.replace(admission, extend_len=cut - prefix, is_chunked=True)
@@ -152,17 +169,22 @@ def _add_chunked_around(original, adder, req, *args, **kwargs):
     if not two_pass_active(cache) or adder.dllm_config is not None:
         return original(adder, req, *args, **kwargs)
     n = len(req.full_untruncated_fill_ids)
-    cut = chunk_end_for_branch(req, n)
-    if not req.prefix_len < cut < n or getattr(req, "marconi_branch_cut", None) is not None:
+    step = snapshot_step(cache)
+    cut = chunk_end_for_branch(req, n, step)
+    if not req.prefix_len < cut < n or request_state(req).branch_cut is not None:
         # (a cut below the branch already gave the request its branch state)
         return original(adder, req, *args, **kwargs)
-    branch = cut
-    cut = _cut(adder, req, req.prefix_len, branch)
-    if cut is None:
+    if step is None:
+        branch = cut
+        cut = _cut(adder, req, req.prefix_len, branch)
+        if cut is None:
+            counters(cache).skipped_unaligned += 1
+            return original(adder, req, *args, **kwargs)
+        if cut != branch:
+            counters(cache).aligned_below += 1
+    elif not _aligned(adder, req.prefix_len, cut):
         counters(cache).skipped_unaligned += 1
         return original(adder, req, *args, **kwargs)
-    if cut != branch:
-        counters(cache).aligned_below += 1
     saved = adder.chunked_req_limit
     limit = cut - req.prefix_len
     adder.chunked_req_limit = limit if saved is None else min(saved, limit)
@@ -173,7 +195,7 @@ def _add_chunked_around(original, adder, req, *args, **kwargs):
     if adder.can_run_list and adder.can_run_list[-1] is req and req.extend_end == cut:
         counters(cache).continuation_splits += 1
     else:
-        req.marconi_branch_cut = None  # the budget ended the chunk elsewhere: cut again next round
+        request_state(req).branch_cut = None  # the budget ended the chunk elsewhere: cut again next round
     return result
 
 
@@ -193,14 +215,14 @@ def _track_around(original, batch, req, *args, **kwargs):
 
 
 def _guarded(hook, where: str):
-    """`hook` with the fault guard: an exception in Marconi's part of it costs one warning
-    (`MarconiEvictionSettings.fault`: the cache falls back to upstream, the group follows at the
-    next sync point) and the call goes on as upstream's; upstream's own exceptions propagate."""
+    """`hook` with the fault guard: an exception in Marconi's part of it is unrecoverable
+    (`faults.py`: a rank alone goes on with upstream's chunking, the call included; a rank of a
+    group raises); upstream's own exceptions propagate."""
 
     @functools.wraps(hook)
     def run(original, owner, req, *args, **kwargs):
-        settings = getattr(owner.tree_cache, "marconi_settings", None)
-        if settings is not None and getattr(settings, "faulted", None) is not None:
+        state = getattr(owner.tree_cache, "marconi", None)
+        if state is None or state.faults.fallen_back is not None:
             return original(owner, req, *args, **kwargs)
         upstream = {}
 
@@ -213,9 +235,9 @@ def _guarded(hook, where: str):
         try:
             return hook(call_original, owner, req, *args, **kwargs)
         except Exception as exc:
-            if settings is None or (upstream.get("called") and "result" not in upstream):
-                raise  # upstream's own exception, or no Marconi cache to fall back with
-            settings.fault(where, exc)
+            if upstream.get("called") and "result" not in upstream:
+                raise  # upstream's own exception
+            state.faults.unrecoverable(where, exc)
             return upstream["result"] if "result" in upstream else original(owner, req, *args, **kwargs)
 
     return run

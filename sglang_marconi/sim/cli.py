@@ -27,15 +27,14 @@ from sglang_marconi.sim.cluster.cli import add_cluster_arguments, check_cluster_
 from sglang_marconi.sim.hindsight import BEST, replay_best
 from sglang_marconi.sim.kv_blocks.registry import build_block_cache, is_kv_policy
 from sglang_marconi.sim.kv_blocks.replay import replay_blocks
-from sglang_marconi.sim.kv_blocks.view import BlockTrace, block_trace
+from sglang_marconi.sim.kv_blocks.view import BlockTrace, block_trace, kv_capacities
 from sglang_marconi.sim.policies import (CAPACITY_FREE, SWA_POLICY_NAMES, build_policy, check_policy_name,
                                          split_policies)
 from sglang_marconi.sim.replay import RunResult, replay
-from sglang_marconi.sim.traces import MOONCAKE_TOKEN_MODES, load_workload
+from sglang_marconi.sim.traces import DEFAULT_WORKLOAD, MOONCAKE_TOKEN_MODES, load_workload
 from sglang_marconi.sim.tuning import shadow_config_for
 from sglang_marconi.sim.units import format_bytes, parse_capacities, parse_counts
 
-DEFAULT_WORKLOAD = "synthetic:swe-agent"
 DEFAULT_POLICIES = "none,vllm+,sglang+,marconi,marconi-best,infinite"
 
 
@@ -164,24 +163,6 @@ def run(args: argparse.Namespace) -> list[RunResult]:
             if hasattr(policy, "request_records"):  # SWA policies: hit-end reasons per request
                 runs[-1].per_request.update(policy.request_records())
     return runs
-
-
-def kv_capacities(trace: BlockTrace, profile, capacities: list[int], blocks: list[int] | None) -> list[tuple[int, int]]:
-    """(blocks, bytes) per capacity of a kv-* policy: `blocks` as given (bytes: their KV on
-    `profile`), else each byte capacity holds floor(bytes / KV bytes of one block) blocks."""
-    block_bytes = profile.kv_bytes_per_token * trace.block_size
-    if blocks:
-        return [(b, b * block_bytes) for b in blocks]
-    if block_bytes <= 0:
-        raise MarconiError(f"model {profile.name} has no KV cache (0 bytes per token): size kv-* policies "
-                           "with --capacity-blocks")
-    out = []
-    for capacity in capacities:
-        if capacity < block_bytes:
-            raise MarconiError(f"capacity {format_bytes(capacity)} holds no KV block of {trace.block_size} tokens "
-                               f"({format_bytes(block_bytes)} on {profile.name})")
-        out.append((capacity // block_bytes, capacity))
-    return out
 
 
 def format_table(runs: list[RunResult]) -> str:

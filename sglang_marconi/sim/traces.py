@@ -35,6 +35,8 @@ from sglang_marconi.sim.mooncake_tokens import MooncakeTokenizer
 from sglang_marconi.sim.units import parse_params
 from sglang_marconi.sim.workload import Request, Workload
 
+DEFAULT_WORKLOAD = "synthetic:swe-agent"  # the embedded workload the CLIs run when given none
+
 BLOCK = 512
 OUTPUT_BASE = 2**40  # every output token is >= this; every expanded input token is below it
 OUTPUT_STRIDE = 2**20  # output tokens of request i: OUTPUT_BASE + i*OUTPUT_STRIDE + arange(n)

@@ -1,11 +1,15 @@
 """Parallel serving through a real SGLang server on this CPU (SGLang's CPU engine, tiny hybrid
-models, our launcher): `--tp-size 2` (gated delta net) and `--dp-size 2` (Mamba2).
+models, our launcher): `--tp-size 2` (gated delta net), `--pp-size 2` (Mamba2: SGLang's
+Nemotron-H model supports PP, its Qwen3-Next one asserts a single stage) and `--dp-size 2` (Mamba2).
 
-- Tensor parallel: two ranks run the same scheduling, each on its own tree, under SGLang's
-  rank-consensus checker (`SGLANG_ENABLE_RANK_CONSENSUS_CHECKER=1`: a scheduler exits on any
-  divergence of `match_prefix` / `insert` / `evict`). A concurrent workload on small pools
-  (many distinct prompts, some sharing a long prefix) evicts all the time; every request
-  completes, warm responses equal cold ones, and the shadow tuner moves the cache off LRU.
+- Tensor and pipeline parallel: two ranks (two TP ranks, or two PP stages) run the same
+  scheduling, each on its own tree, under SGLang's rank-consensus checker
+  (`SGLANG_ENABLE_RANK_CONSENSUS_CHECKER=1`: a scheduler exits on any divergence of
+  `match_prefix` / `insert` / `evict`). A concurrent workload on small pools (many distinct
+  prompts, some sharing a long prefix) evicts all the time; every request completes, warm
+  responses equal cold ones, and the shadow tuner moves the cache off LRU, on every rank at the
+  same point of the stream (the leader's directive rides the requests: no collective of ours on
+  the batch path, which under PP used to deadlock stage 0 against stage 1).
 - Data parallel: each replica has its own cache and tuner (`/server_info` has one `marconi`
   entry per replica; a prefix cached by one replica is not a hit on the other), and the
   Prometheus gauges carry the replica's `dp_rank`.
@@ -118,24 +122,26 @@ def tp_server(tiny_model, tmp_path_factory):
 
 
 def switches(figures: dict) -> int:
-    if "marconi_choice_switches" in figures:
-        return figures["marconi_choice_switches"]
-    return int(figures["marconi_choice"] != "lru")  # until the runtime counts them
+    return figures["marconi_choice_switches"]
 
 
-@pytest.fixture(scope="class")
-def tp_workload(tp_server):
+def evicting_workload(url: str):
     """(responses in prompt order, /server_info before, after) of the workload: waves until the
     cache has switched its eviction choice (or MAX_WAVES), then AFTER_SWITCH more."""
-    before = after = server_info(tp_server.url)
+    before = after = server_info(url)
     responses, after_switch = [], 0
     while len(responses) < MAX_WAVES * WAVE and after_switch < AFTER_SWITCH:
         switched = switches(after["internal_states"][0]["marconi"]) > 0
         first = len(responses)
-        responses += run_concurrently(tp_server.url, [prompt(i) for i in range(first, first + WAVE)])
-        after = server_info(tp_server.url)
+        responses += run_concurrently(url, [prompt(i) for i in range(first, first + WAVE)])
+        after = server_info(url)
         after_switch += switched
     return responses, before, after
+
+
+@pytest.fixture(scope="class")
+def tp_workload(tp_server):
+    return evicting_workload(tp_server.url)
 class TestTensorParallel:
     """Two TP ranks, each its own tree, under SGLang's rank-consensus checker."""
 
@@ -179,9 +185,81 @@ class TestTensorParallel:
         figures = after["internal_states"][0]["marconi"]
         assert figures["marconi_tuning_failures"] == 0
         assert figures["marconi_choice"] != "lru", (len(responses), figures)
-        if "marconi_choice_switches" not in figures:
-            pytest.xfail("waiting for marconi_choice_switches")
         assert figures["marconi_choice_switches"] >= 1, figures
+
+
+# ---------------------------------------------------------------- --pp-size 2
+
+PP_ARGS = ("--pp-size", "2", *TP_ARGS[2:])
+
+
+@pytest.fixture(scope="class")
+def pp_server(tiny_model, tmp_path_factory):
+    """A `--pp-size 2` server (two stages of the Mamba2 hybrid) for one test class."""
+    from live_server import start_server
+
+    log = tmp_path_factory.mktemp("server-logs") / "pp2-mamba2.log"
+    server = start_server(tiny_model("mamba2"), extra_args=PP_ARGS, log_path=log, hard_limit_s=900,
+                          env={"SGLANG_ENABLE_RANK_CONSENSUS_CHECKER": "1"})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="class")
+def pp_workload(pp_server):
+    return evicting_workload(pp_server.url)
+
+
+def gauge_by_pp_rank(url: str, name: str) -> dict[str, float]:
+    samples = [s for s in metric_samples(url) if s.name == name]
+    return {s.labels["pp_rank"]: s.value for s in samples}
+
+
+class TestPipelineParallel:
+    """Two PP stages, each its own scheduler and tree (its own layers), under SGLang's
+    rank-consensus checker; stage 0 leads (reads the requests, runs the only tuner)."""
+
+    def test_concurrent_evicting_workload_completes(self, pp_server, pp_workload):
+        responses, before, after = pp_workload
+        assert [r.input_ids for r in responses] == [prompt(i) for i in range(len(responses))]
+        assert all(len(r.output_ids) == MAX_NEW for r in responses)
+        old, new = before["internal_states"][0]["marconi"], after["internal_states"][0]["marconi"]
+        assert new["marconi_requests"] - old["marconi_requests"] == len(responses)
+        assert new["marconi_evictions_leaf"] + new["marconi_evictions_single_child"] > 0, new
+        assert len({tuple(r.output_ids) for r in responses}) == len(responses)  # can fail: outputs differ
+
+    def test_every_stage_switched_at_the_same_point(self, pp_server, pp_workload):
+        responses, _, after = pp_workload
+        figures = after["internal_states"][0]["marconi"]
+        assert figures["marconi_tuning_failures"] == 0 and figures["marconi_choice_switches"] >= 1, figures
+        # Both stages publish their gauges (pp_rank label): the same requests, the same switches,
+        # every directive applied on both (published at most once a second and when idle).
+        deadline = time.monotonic() + 30
+        while True:
+            per_stage = {name: gauge_by_pp_rank(pp_server.url, f"sglang:{name}") for name in
+                         ("marconi_requests", "marconi_choice_switches", "marconi_directives_applied")}
+            if all(len(v) == 2 and len(set(v.values())) == 1 for v in per_stage.values()):
+                break
+            assert time.monotonic() < deadline, per_stage
+            time.sleep(0.5)
+        assert per_stage["marconi_choice_switches"]["1"] >= 1
+        assert per_stage["marconi_requests"]["1"] >= len(responses)
+
+    def test_warm_responses_equal_cold_ones(self, pp_server, pp_workload):
+        hits = [r for r in pp_workload[0] if r.cached_tokens > 0]
+        assert len(hits) >= 2, [r.cached_tokens for r in pp_workload[0]]
+        for warm in hits[:4]:
+            flush_cache(pp_server.url)
+            cold = generate(pp_server.url, warm.input_ids, MAX_NEW)
+            assert cold.cached_tokens == 0
+            assert cold.output_ids == warm.output_ids
+            assert cold.logprobs == pytest.approx(warm.logprobs, abs=1e-2)
+
+    def test_stages_never_diverged(self, pp_server, pp_workload):
+        log = pp_server.log_path.read_text(errors="replace")
+        assert "Rank consensus checker is enabled" in log  # the check ran
+        assert DIVERGENCE not in log, next(line for line in log.splitlines() if DIVERGENCE in line)[:2000]
+        assert pp_server.process.poll() is None
 
 
 # ---------------------------------------------------------------- --dp-size 2
@@ -221,8 +299,7 @@ def per_replica_changes(before: list[dict], after: list[dict], keys) -> list[set
 
 def marconi_gauge_by_dp_rank(url: str, name: str) -> dict[str, float]:
     samples = [s for s in metric_samples(url) if s.name == name]
-    if not any("dp_rank" in s.labels for s in samples):
-        pytest.xfail(f"{name} carries no dp_rank label: {[s.labels for s in samples]}")
+    assert all("dp_rank" in s.labels for s in samples), [s.labels for s in samples]
     assert len(samples) == 2, [(s.labels, s.value) for s in samples]
     return {s.labels["dp_rank"]: s.value for s in samples}
 

@@ -14,11 +14,15 @@ def marconi_cache():
     pytest.importorskip("sglang")
     from sglang_cpu import build_cache
 
-    from sglang_marconi.serving.eviction_components import MarconiEvictionSettings, marconi_component_overrides
+    from sglang_marconi.serving.components import marconi_component_overrides
+    from sglang_marconi.serving.eviction_settings import MarconiEvictionSettings
 
     def make(alpha=0.0, profile="nemotron-h-8b", observer=None, **kwargs):
-        settings = MarconiEvictionSettings(profile, alpha=alpha, observer=observer)
-        cc = build_cache(component_registry_override=marconi_component_overrides(settings), **kwargs)
+        from sglang_marconi.serving.cache import marconi_cache_class
+
+        settings = MarconiEvictionSettings(profile, choice=alpha, observer=observer)
+        cc = build_cache(component_registry_override=marconi_component_overrides(settings),
+                         cache_class=kwargs.pop("cache_class", None) or marconi_cache_class(), **kwargs)
         cc.settings = settings
         return cc
 

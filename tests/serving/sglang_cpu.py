@@ -61,9 +61,16 @@ class CpuCache:
         c = self.cache
         return self.req_to_token_pool.mamba_allocator.available_size(), c.mamba_evictable_size(), c.mamba_protected_size()
 
+    unified_memory: bool = False  # one byte buffer: the pools' sizes float, SGLang's own check counts
+
     def check_no_leak(self, idle: bool = True) -> None:
         """available + evictable + protected == pool size, for KV tokens and Mamba slots; when
-        no request runs, every request row is free too."""
+        no request runs, every request row is free too. (One byte buffer: SGLang's own check.)"""
+        if self.unified_memory:
+            self.cache.sanity_check()
+            if idle:
+                assert self.req_to_token_pool.available_size() == self.max_num_reqs
+            return
         assert sum(self.kv_ledger()) == self.kv_size, ("kv", self.kv_ledger(), self.kv_size)
         assert sum(self.mamba_ledger()) == self.mamba_size, ("mamba", self.mamba_ledger(), self.mamba_size)
         if idle:
@@ -99,6 +106,7 @@ def build_cache(
     tree_core_backend: str | None = None,
     cache_class=None,
     extra_buffer: bool = False,
+    unified_memory: bool = False,
     return_params: bool = False,
 ) -> CpuCache:
     """The scheduler's cache for a tiny Mamba2 hybrid (page size 1), in no-buffer mode or, with
@@ -110,20 +118,36 @@ def build_cache(
     shape = Mamba2StateShape.create(
         tp_world_size=1, intermediate_size=64, n_groups=1, num_heads=2, head_dim=16, state_size=16, conv_kernel=4
     )
-    req_to_token_pool = HybridReqToTokenPool(
+    if unified_memory:  # SGLang's --enable-unified-memory pools: KV and states in one byte buffer
+        from sglang.srt.mem_cache.unified_memory_pool import init_unified_mamba_pools
+
+        pools = init_unified_mamba_pools(
+            device="cpu", kv_cache_dtype=torch.bfloat16, head_num=1, head_dim=8, page_size=1, start_layer=0,
+            end_layer=NUM_LAYERS, is_draft_worker=False, use_mla_backend=False, mamba_layer_ids=MAMBA_LAYERS,
+            full_attention_layer_ids=ATTENTION_LAYERS, mamba2_cache_params=Mamba2CacheParams(shape=shape,
+                                                                                              layers=MAMBA_LAYERS),
+            model_context_len=max_context_len, extra_max_context_len=0, max_total_num_tokens=kv_size,
+            max_mamba_cache_size=mamba_size, max_num_reqs=max_num_reqs, enable_memory_saver=False,
+            enable_mamba_extra_buffer=extra_buffer, enable_mamba_extra_buffer_lazy=False,
+            speculative_num_draft_tokens=None, disable_overlap_schedule=True, need_sort=False)
+        req_to_token_pool, allocator = pools.req_to_token_pool, pools.token_to_kv_pool_allocator
+    else:
+        req_to_token_pool = allocator = None
+    req_to_token_pool = req_to_token_pool or HybridReqToTokenPool(
         size=max_num_reqs, mamba_size=mamba_size, mamba_spec_state_size=max_num_reqs,
         max_context_len=max_context_len, device="cpu", enable_memory_saver=False,
         cache_params=Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS), mamba_layer_ids=MAMBA_LAYERS,
         enable_mamba_extra_buffer=extra_buffer, speculative_num_draft_tokens=None,
     )
-    kv_pool = HybridLinearKVPool(
-        size=kv_size, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8,
-        full_attention_layer_ids=ATTENTION_LAYERS, device="cpu", enable_memory_saver=False,
-        mamba_pool=req_to_token_pool.mamba_pool,
-    )
-    allocator = TokenToKVPoolAllocator(
-        size=kv_size, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool, need_sort=False
-    )
+    if allocator is None:
+        kv_pool = HybridLinearKVPool(
+            size=kv_size, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8,
+            full_attention_layer_ids=ATTENTION_LAYERS, device="cpu", enable_memory_saver=False,
+            mamba_pool=req_to_token_pool.mamba_pool,
+        )
+        allocator = TokenToKVPoolAllocator(
+            size=kv_size, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool, need_sort=False
+        )
     params = CacheInitParams(
         req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, page_size=1,
         disable=False, sliding_window_size=None, tree_components=(FULL, MAMBA),
@@ -134,7 +158,9 @@ def build_cache(
     if return_params:
         return params
     cache = (cache_class or UnifiedRadixCache)(params)
-    return CpuCache(cache, allocator, req_to_token_pool, kv_size, mamba_size, max_num_reqs)
+    cc = CpuCache(cache, allocator, req_to_token_pool, kv_size, mamba_size, max_num_reqs)
+    cc.unified_memory = unified_memory
+    return cc
 
 
 _request_ids = itertools.count()
@@ -170,6 +196,16 @@ def _extend(cc: CpuCache, req: Req, end: int) -> None:
     req.kv.mamba_needs_clear = False
 
 
+def _chunk_end(cc: CpuCache, chunk_end, req, end: int) -> int:
+    """Marconi's two-pass rule takes the mode's snapshot grid in extra_buffer mode, as the
+    scheduler hooks pass it (`two_pass_prefill.py`)."""
+    from sglang_marconi.serving.admission import chunk_end_for_branch
+
+    if chunk_end is chunk_end_for_branch and cc.cache.enable_mamba_extra_buffer:
+        return chunk_end(req, end, cc.cache.components[MAMBA].mamba_checkpoint_grid)
+    return chunk_end(req, end)
+
+
 def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None, out_tokens=None,
                 chunk_end=None):
     """Serve one request end to end; returns (req, hit) with hit = cached prefix tokens reused.
@@ -183,7 +219,7 @@ def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None,
     while True:
         end = n if chunk_size is None else min(req.prefix_len + chunk_size, n)
         if chunk_end is not None:
-            end = chunk_end(req, end)
+            end = _chunk_end(cc, chunk_end, req, end)
         _extend(cc, req, end)
         if cc.cache.enable_mamba_extra_buffer:
             _track_extend(cc, req)
@@ -217,14 +253,20 @@ def build_marconi_serving(config, profile="nemotron-h-8b", group=None, **kwargs)
     runtime), on CPU; returns (CpuCache, MarconiRuntime). `group`: the runtime's `RankGroup`."""
     from sglang_marconi.serving.admission import admission_mixin
     from sglang_marconi.serving.cache import marconi_cache_class
-    from sglang_marconi.serving.eviction_components import MarconiEvictionSettings, marconi_component_overrides
+    from sglang_marconi.serving.components import marconi_component_overrides
+    from sglang_marconi.serving.eviction_settings import MarconiEvictionSettings
+    from sglang_marconi.serving.faults import MarconiFaults
+    from sglang_marconi.serving.lockstep import RankGroup
     from sglang_marconi.serving.plugin import attach_runtime
 
-    settings = MarconiEvictionSettings(profile, alpha=config.alpha or 0.0)
+    group = group if group is not None else RankGroup()
+    settings = MarconiEvictionSettings(profile, choice=config.alpha or 0.0, faults=MarconiFaults(group.size, group.rank))
     mixins = (admission_mixin(),) if config.admission else ()
     overrides = marconi_component_overrides(settings, mamba_mixins=mixins)
-    cc = build_cache(component_registry_override=overrides, cache_class=marconi_cache_class(), **kwargs)
-    return cc, attach_runtime(cc.cache, settings, config, group=group)
+    cc = build_cache(component_registry_override=overrides, cache_class=kwargs.pop("cache_class", None)
+                     or marconi_cache_class(), **kwargs)
+    cc.settings = settings
+    return cc, attach_runtime(cc.cache, config, group=group)
 
 
 def _track_extend(cc: CpuCache, req: Req) -> None:
@@ -253,6 +295,20 @@ def _track_decode(cc: CpuCache, req: Req) -> None:
         kv.mamba_next_track_idx = cc.req_to_token_pool.get_mamba_ping_pong_other_idx(kv.mamba_last_track_idx)
 
 
+def track_decode_span(cc: CpuCache, req: Req, start: int, end: int) -> None:
+    """Extra-buffer mode: the decode snapshots of tokens [start, end) decoded in one go (what
+    `_track_decode` does one token at a time, at each grid boundary crossed)."""
+    from sglang.srt.runtime_context import mamba_track_grid
+
+    grid = mamba_track_grid(1)
+    kv = req.kv
+    for boundary in range((start // grid + 1) * grid, end + 1, grid):
+        kv.mamba_prev_track_seqlen = kv.mamba_last_track_seqlen
+        kv.mamba_last_track_seqlen = boundary
+        kv.mamba_last_track_idx = kv.mamba_next_track_idx
+        kv.mamba_next_track_idx = cc.req_to_token_pool.get_mamba_ping_pong_other_idx(kv.mamba_last_track_idx)
+
+
 def result_in_spawned_process(target, timeout: float = 120):
     """Run `target(queue)` in a fresh `spawn` process, as SGLang starts its schedulers, and
     return what it put on the queue."""
@@ -265,3 +321,16 @@ def result_in_spawned_process(target, timeout: float = 120):
     result = queue.get(timeout=timeout)
     proc.join(timeout=60)
     return result
+
+
+def tree_signature(cache):
+    """Every node as (path, has a Mamba state), in a canonical order: two caches with the same
+    signature hold the same prefixes and the same states (what a TP group needs of its ranks)."""
+    out, stack = [], [(cache.tree_core.root_node, ())]
+    while stack:
+        node, path = stack.pop()
+        for child in node.children.values():
+            child_path = path + tuple(child.key.token_ids)
+            out.append((child_path, child.component_data[MAMBA].value is not None))
+            stack.append((child, child_path))
+    return sorted(out)

@@ -81,8 +81,8 @@ class SWACpuCache:
         if evicted:
             params.set_evicted_seqlen(SWA, evicted)
         result = self.cache.insert(params)
-        component = getattr(self.cache, "marconi_swa_component", None)
-        if component is not None:
+        component = self.cache.tree_core.components_by_type[SWA]
+        if hasattr(component, "marconi_upkeep"):
             component.marconi_upkeep()
         return result
 
@@ -152,9 +152,10 @@ def build_swa_cache(*, kv_size: int = 4096, swa_size: int = 1024, window: int = 
                              eviction_policy="lru", component_registry_override=override)
     cache = cache_class(params)
     if marconi:  # what the factory does after building the cache
-        cache.marconi_swa_window = window
-        cache.marconi_swa_component = cache.tree_core.components_by_type[SWA]
-        cache.marconi_swa_component.marconi_start()
+        from sglang_marconi.serving.cache_state import MarconiCacheState
+
+        cache.marconi = MarconiCacheState(settings)
+        cache.tree_core.components_by_type[SWA].marconi_start()
     return SWACpuCache(cache, allocator, kv_size, swa_size, settings)
 
 

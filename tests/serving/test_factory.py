@@ -41,7 +41,7 @@ def test_hybrid_model_gets_the_marconi_cache():
     ctx, params = build_context(NemotronHConfig())
     cache = marconi_radix_cache_factory(ctx)
     assert type(cache).__name__ == "MarconiUnifiedRadixCache"
-    assert cache.marconi_runtime is not None and cache.marconi_settings.profile.n_ssm_layers >= 1
+    assert cache.marconi_runtime is not None and cache.marconi.settings.profile.n_ssm_layers >= 1
     cc = as_cpu_cache(cache, params)
     for i in range(3):
         run_request(cc, list(range(1, 500)) + [9000 + i] * 10, 4, chunk_end=chunk_end_for_branch)

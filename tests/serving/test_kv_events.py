@@ -42,11 +42,12 @@ def events_cache(kv_size=3000, mamba_size=16, **kwargs) -> CpuCache:
     """The `marconi` backend's cache (components, admission, runtime) with KV events on."""
     from sglang_marconi.serving.admission import admission_mixin
     from sglang_marconi.serving.cache import marconi_cache_class
-    from sglang_marconi.serving.eviction_components import MarconiEvictionSettings, marconi_component_overrides
+    from sglang_marconi.serving.components import marconi_component_overrides
+    from sglang_marconi.serving.eviction_settings import MarconiEvictionSettings
     from sglang_marconi.serving.plugin import attach_runtime
 
     config = MarconiServingConfig(alpha=1.0, tune_workers=0)
-    settings = MarconiEvictionSettings("nemotron-h-8b", alpha=1.0)
+    settings = MarconiEvictionSettings("nemotron-h-8b", choice=1.0)
     overrides = marconi_component_overrides(settings, mamba_mixins=(admission_mixin(),))
     params = build_cache(component_registry_override=overrides, kv_size=kv_size, mamba_size=mamba_size,
                          return_params=True, **kwargs)
@@ -54,7 +55,7 @@ def events_cache(kv_size=3000, mamba_size=16, **kwargs) -> CpuCache:
     cache = marconi_cache_class()(params)
     cc = CpuCache(cache, params.token_to_kv_pool_allocator, params.req_to_token_pool, kv_size, mamba_size, 4)
     cc.settings = settings
-    attach_runtime(cache, settings, config)
+    attach_runtime(cache, config)
     return cc
 
 
@@ -158,7 +159,7 @@ def test_a_fault_stops_state_events_not_the_scheduler(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="sglang_marconi"):
         payloads = publish(pub)
     assert any("SSM-state KV events stopped" in r.message for r in caplog.records)
-    assert cc.cache.marconi_kv_state_events.fault == "RuntimeError: injected"
+    assert cc.cache.marconi.kv_state_events.fault == "RuntimeError: injected"
     tags = {e["type"] for p in payloads for e in msgspec.msgpack.decode(p)[1]}
     assert "BlockStored" in tags and not tags & set(kv_events.EVENT_TAGS)  # SGLang's events went out
     run_request(cc, list(range(2, 90)), n_out=3)

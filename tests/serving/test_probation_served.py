@@ -46,13 +46,13 @@ def test_a_prefix_used_twice_in_a_row_hits_at_its_second_use(extra_buffer):
 def test_a_reuse_confirms_and_a_new_input_is_kept_on_probation():
     cc, runtime = serve(False, True)
     run_request(cc, FIRST, 8, chunk_end=chunk_end_for_branch)
-    index = cc.cache.marconi_index
-    (node,) = index.probation.values()
+    probation = cc.cache.marconi.probation
+    (node,) = list(probation)
     assert node.component_data[MAMBA].value is not None and sum(len(n.key) for n in _path(node)) == 300
     run_request(cc, SECOND, 8, chunk_end=chunk_end_for_branch)
-    assert node.id not in index.probation  # the second request reused it: confirmed
-    assert len(index.probation) == 1  # the second input's end, on probation in turn
-    counters = cc.cache.components[MAMBA].marconi_admission_counters
+    assert node not in probation  # the second request reused it: confirmed
+    assert len(probation) == 1  # the second input's end, on probation in turn
+    counters = cc.cache.marconi.admission
     assert counters.probationary_admitted == 2
     metrics = runtime.metrics(cc.cache)
     assert metrics["marconi_probationary_states_admitted"] == 2
@@ -64,9 +64,9 @@ def test_extra_buffer_a_short_decode_makes_the_input_end_state_its_final_state()
     tracks no newer state, so that one is the request's final state: confirmed, and counted so."""
     cc, runtime = serve(True, True)
     run_request(cc, FIRST, 8, chunk_end=chunk_end_for_branch)
-    counters = cc.cache.components[MAMBA].marconi_admission_counters
+    counters = cc.cache.marconi.admission
     assert counters.probationary_admitted == 1 and counters.final_states_admitted == 1
-    assert not cc.cache.marconi_index.probation  # confirmed: no longer evicted first
+    assert not len(cc.cache.marconi.probation)  # confirmed: no longer evicted first
     cc.check_no_leak()
     runtime.close()
 
@@ -99,13 +99,13 @@ def test_probationary_states_go_first_and_never_displace_a_regular_one(extra_buf
     victims = []
 
     def observer_for(cc):
-        index = cc.cache.marconi_index
+        state = cc.cache.marconi
 
         def observe(victim):
-            unlocked = [n for n in index.probation.values()
+            unlocked = [n for n in state.probation
                         if n.component_data[MAMBA].value is not None and n.component_data[MAMBA].lock_ref == 0
                         and cc.cache.tree_core._node_arena.get(n.id) is n]
-            victims.append((victim.kind, index.probation_only, bool(unlocked)))
+            victims.append((victim.kind, state.walk.probation_only, bool(unlocked)))
         return observe
 
     hits, runtime = conversation_among_one_shots(extra_buffer, True, observer_for)

@@ -18,10 +18,8 @@ from sglang_cpu import MAMBA, build_cache, run_request  # noqa: E402
 from sglang_cpu import node_depth as depth  # noqa: E402
 
 from sglang_marconi.serving.admission import admission_mixin, chunk_end_for_branch  # noqa: E402
-from sglang_marconi.serving.eviction_components import (  # noqa: E402
-    MarconiEvictionSettings,
-    marconi_component_overrides,
-)
+from sglang_marconi.serving.components import marconi_component_overrides  # noqa: E402
+from sglang_marconi.serving.eviction_settings import MarconiEvictionSettings  # noqa: E402
 from sglang_marconi.serving.two_pass_prefill import (  # noqa: E402
     install_two_pass_prefill_hook,
     uninstall_two_pass_prefill_hook,
@@ -39,11 +37,10 @@ def hooks():
 
 
 def marconi(alpha=0.0, **kwargs):
-    settings = MarconiEvictionSettings("nemotron-h-8b", alpha=alpha)
+    settings = MarconiEvictionSettings("nemotron-h-8b", choice=alpha)
     overrides = marconi_component_overrides(settings, mamba_mixins=(admission_mixin(),))
     cc = build_cache(component_registry_override=overrides, **kwargs)
     cc.settings = settings
-    cc.cache.marconi_settings = settings  # what the `marconi` backend factory sets
     return cc
 
 
@@ -56,13 +53,13 @@ def state_depths(cc) -> set[int]:
 
 
 def admission(cc):
-    return cc.cache.components[MAMBA].marconi_admission_counters
+    return cc.cache.marconi.admission
 
 
-def serve(cc, tokens, n_out, **kw):
-    """One request as the scheduler runs it in the cache's mode; returns (hit, states added)."""
+def serve(cc, tokens, n_out, chunk_end=chunk_end_for_branch, **kw):
+    """One request as the scheduler runs it in the cache's mode (two-pass chunk ends on the mode's
+    grid; `chunk_end=None`: the scheduler without the hooks); returns (hit, states added)."""
     before = states_in_tree(cc)
-    chunk_end = None if cc.cache.enable_mamba_extra_buffer else chunk_end_for_branch
     req, hit = run_request(cc, tokens, n_out, chunk_end=chunk_end, **kw)
     cc.check_no_leak()
     return hit, states_in_tree(cc) - before
@@ -108,7 +105,7 @@ def test_no_request_leaves_more_than_two_states(chunk_size):
         run_request(upstream, prompt, 20, chunk_size=chunk_size)
     if chunk_size is not None:  # upstream keeps a state per prefill chunk
         assert states_in_tree(upstream) > states_in_tree(cc)
-    counters = cc.cache.components[MAMBA].marconi_admission_counters
+    counters = cc.cache.marconi.admission
     assert counters.branch_states_admitted >= 1 and counters.final_states_admitted == 5
 
 
@@ -136,7 +133,7 @@ def test_branch_state_skipped_when_no_mamba_slot_can_be_had():
     (stateful,) = [n for n in cc.nodes() if n.component_data[MAMBA].value is not None]
     lock = cc.cache.lock(stateful.id)  # nothing in the tree may be evicted for the branch state
     run_request(cc, SYSTEM + list(range(20000, 20040)), 4, chunk_end=chunk_end_for_branch)
-    counters = cc.cache.components[MAMBA].marconi_admission_counters
+    counters = cc.cache.marconi.admission
     assert counters.skipped_no_slot == 1 and counters.branch_states_admitted == 0
     cc.cache.unlock(lock)
     holder.output_ids.append(7)
@@ -152,10 +149,20 @@ def marconi_xbuf(**kwargs):
 def test_extra_buffer_mode_reuses_system_prompt_from_third_occurrence(hooks):
     cc = marconi_xbuf()
     results = [serve(cc, SYSTEM + list(range(5000 + 300 * i, 5200 + 300 * i)), 20) for i in range(4)]
-    # One snapshot per extend: the second request's, steered to 960, the last 64-token step before
-    # its branch at 1,000 (on this grid, since the extend starts at 0).
-    assert [h for h, _ in results] == [0, 0, 960, 960]
+    # The second request's extend is cut at 936, so the next one, [936, ...), snapshots 1,000
+    # exactly (one grid step in): the branch state sits on the branch, not at 960 on the grid.
+    assert [h for h, _ in results] == [0, 0, 1000, 1000]
     assert all(added <= 2 for _, added in results)
+    assert admission(cc).branch_states_admitted == 1 and admission(cc).grid_lost_tokens == 0
+
+
+def test_extra_buffer_without_the_cut_keeps_the_last_snapshot_before_the_branch(hooks):
+    """Without two-pass chunk ends (the scheduler's hooks not applied), one snapshot per extend:
+    the second request's, steered to 960, the last 64-token step before its branch at 1,000."""
+    cc = marconi_xbuf()
+    results = [serve(cc, SYSTEM + list(range(5000 + 300 * i, 5200 + 300 * i)), 20, chunk_end=None)
+               for i in range(4)]
+    assert [h for h, _ in results] == [0, 0, 960, 960]
     assert admission(cc).branch_states_admitted == 1 and admission(cc).grid_lost_tokens == 40
 
 
@@ -172,33 +179,34 @@ def test_extra_buffer_mode_keeps_at_most_two_states_per_request(hooks, chunk_siz
     assert states_in_tree(upstream) > states_in_tree(cc)
 
 
-def test_extra_buffer_branch_off_the_chunk_grid_keeps_the_last_snapshot_before_it(hooks):
-    """Prefill chunks of 150 tokens start off the 64-token grid, so the branch at 1,000 (and
-    upstream's floor of it, 960) is never 64k tokens into an extend: upstream snapshots each
-    chunk's last 64k position (128, 278, ..., 878, then 1028 past the branch). Marconi steers the
-    extend [900, 1050) to snapshot 964, the last position it can before the branch."""
+def test_extra_buffer_chunks_off_the_grid_are_shifted_onto_the_branchs(hooks):
+    """Prefill chunks of 150 tokens start off the 64-token grid, so upstream snapshots each
+    chunk's last 64k position (128, 278, ..., 878, then 1028 past the branch at 1,000). Marconi
+    ends each chunk where the next starts a whole number of steps before the branch, so the
+    branch itself is snapshotted."""
     cc, upstream = marconi_xbuf(), build_cache(extra_buffer=True, mamba_size=64)
     prompts = [SYSTEM + list(range(5000 + 300 * i, 5200 + 300 * i)) for i in range(3)]
     hits = [serve(cc, p, 20, chunk_size=150)[0] for p in prompts]
-    assert hits == [0, 0, 964]
-    assert 964 in state_depths(cc) and admission(cc).grid_lost_tokens == 1000 - 964
+    assert hits == [0, 0, 1000]
+    assert 1000 in state_depths(cc) and admission(cc).grid_lost_tokens == 0
     for p in prompts[:2]:
         run_request(upstream, p, 20, chunk_size=150)
     assert max(d for d in state_depths(upstream) if d <= 1000) == 878
     assert run_request(upstream, prompts[2], 20, chunk_size=150)[1] == 878
 
 
-def test_extra_buffer_branch_on_a_later_chunk_boundary_keeps_the_earlier_snapshot(hooks):
-    """The branch 36 tokens past the start of the extend that contains it: that extend can
-    snapshot nothing before it, so the state the previous extend snapshotted (964, kept with the
-    request when its checkpoint declined it) is admitted at the checkpoint between them."""
+def test_extra_buffer_branch_less_than_a_step_past_the_hit_is_not_cut_for(hooks):
+    """No extend can start a whole step before a branch less than 64 tokens past the hit, so the
+    chunk is left alone (and no state can be kept between the hit and the branch)."""
     cc = marconi_xbuf()
-    shared = SYSTEM + list(range(20000, 20036))  # 1,036 tokens; chunks of 100 start at 1,000
-    prompts = [shared + list(range(30000 + 300 * i, 30200 + 300 * i)) for i in range(3)]
-    hits = [serve(cc, p, 20, chunk_size=100)[0] for p in prompts[:2]]
-    assert admission(cc).grid_lost_tokens == 1036 - 964 and admission(cc).branch_states_admitted == 1
-    hits.append(serve(cc, prompts[2], 20, chunk_size=100)[0])
-    assert hits == [0, 0, 964]  # chunk [900, 1000) snapshots 964; [1000, 1100) could only 1,064
+    x = list(range(1, 641))
+    serve(cc, x, 1)  # one extend [0, 640): its snapshot, at its end, is its final state
+    serve(cc, x[:576] + list(range(50000, 50100)), 1)  # branch at 576: state there (cut at 512)
+    assert {576, 640} <= state_depths(cc)
+    hit, _ = serve(cc, x[:620] + list(range(60000, 60100)), 1)  # hit 576, branch 620: 44 past it
+    assert hit == 576
+    assert not any(576 < d < 620 for d in state_depths(cc))
+    assert serve(cc, x[:620] + list(range(61000, 61100)), 1)[0] == 576
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -14,7 +14,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 from sglang_cpu import FULL, MAMBA, run_request  # noqa: E402
 
 from sglang_marconi.policy.model_profile import load_profile  # noqa: E402
-from sglang_marconi.serving.eviction_components import KV_PRESSURE, MAMBA_PRESSURE  # noqa: E402
+from sglang_marconi.serving.eviction_settings import KV_PRESSURE, MAMBA_PRESSURE  # noqa: E402
 
 PROFILE = load_profile("nemotron-h-8b")
 VOCAB = 1 << 30
@@ -96,11 +96,11 @@ class VictimChecker:
             return
         assert victim.node in candidates, (victim.pressure, victim.kind, "victim is not a candidate")
         if self.lru_only:  # alpha = 0: least recently used candidate
-            assert victim.alpha == 0
+            assert victim.weight == 0
             oldest = min(candidates, key=lambda n: candidates[n][0])
             assert victim.node is oldest, (victim.pressure, candidates[victim.node], candidates[oldest])
         else:
-            scores = utilities(candidates, victim.alpha)
+            scores = utilities(candidates, victim.weight)
             best = min(scores.values())
             assert scores[victim.node] <= best + 1e-9, (victim.pressure, scores[victim.node], best)
         self.checked[victim.pressure] += 1
@@ -165,7 +165,7 @@ def test_ledgers_balance_and_locked_nodes_survive(marconi_cache, seed):
     victims = []
     cc = marconi_cache(alpha=[0.0, 0.5, 2.0][seed], observer=victims.append,
                        kv_size=2400, mamba_size=10, max_num_reqs=2)
-    cache, index = cc.cache, cc.cache.marconi_index
+    cache, index = cc.cache, cc.cache.marconi.index
     workload = Workload(seed)
     held = {}
 
@@ -225,7 +225,7 @@ def test_victims_match_brute_force_formula(marconi_cache):
 
     def after(k):
         if k == 40:
-            cc.settings.alpha = 3.0  # a tuner may change alpha at any time
+            cc.settings.choice = 3.0  # a tuner may change alpha at any time
     serve(cc, Workload(7), 80, after)
     assert checker.checked[KV_PRESSURE] >= 20 and checker.checked[MAMBA_PRESSURE] >= 20, checker.checked
     assert checker.kinds["single_child"] > 0 and checker.kinds["leaf"] > 0
@@ -314,7 +314,7 @@ def test_single_child_state_eviction_keeps_kv_matchable(marconi_cache):
     assert cc.kv_ledger() == kv_before
     assert cc.mamba_ledger()[:2] == (m_free + 1, m_evictable - 1)
     assert cc.settings.counters.evictions_single_child == 1
-    cc.cache.marconi_index.check()
+    cc.cache.marconi.index.check()
     # a deeper hit still reads x's KV ...
     _, hit = run_request(cc, second + [rng.randrange(1, VOCAB) for _ in range(30)], 1)
     assert hit == 500
@@ -346,7 +346,7 @@ def test_mamba_pressure_without_candidates_falls_back_to_upstreams_choice(marcon
     for lock in locks:
         cc.cache.unlock(lock)
     cc.check_no_leak()
-    cc.cache.marconi_index.check()
+    cc.cache.marconi.index.check()
 
 
 def test_index_follows_a_cache_reset(marconi_cache):
@@ -358,7 +358,7 @@ def test_index_follows_a_cache_reset(marconi_cache):
     cc.allocator.clear()
     cc.req_to_token_pool.reset_aux_cache_allocator()
     cc.check_no_leak()
-    serve(cc, workload, 25, after=lambda k: cc.cache.marconi_index.check())
+    serve(cc, workload, 25, after=lambda k: cc.cache.marconi.index.check())
     assert cc.settings.counters.evictions_leaf > 0 and cc.settings.counters.stale_repairs == 0
 
 
@@ -367,8 +367,9 @@ def test_importing_the_components_module_loads_no_sglang():
     import sys
 
     code = (
-        "import sys, sglang_marconi.serving, sglang_marconi.serving.eviction_components as m;"
-        "m.MarconiEvictionSettings('nemotron-h-8b', alpha=0.5);"
+        "import sys, sglang_marconi.serving, sglang_marconi.serving.components,"
+        " sglang_marconi.serving.eviction_settings as m, sglang_marconi.serving.tree_index;"
+        "m.MarconiEvictionSettings('nemotron-h-8b', choice=0.5);"
         "print(sorted(x for x in sys.modules if x.split('.')[0] in ('torch', 'sglang')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -384,13 +385,13 @@ def test_lru_choice_evicts_exactly_as_upstream(marconi_cache, upstream_cache, se
     victims = []
     sizes = dict(kv_size=2400, mamba_size=10, max_num_reqs=2)
     ours = marconi_cache(alpha=1.0, observer=victims.append, **sizes)
-    ours.settings.use_upstream_lru = True
+    ours.settings.choice = "lru"
     theirs = upstream_cache(**sizes)
-    hits_ours = serve(ours, Workload(seed), 80, after=lambda k: ours.cache.marconi_index.check())
+    hits_ours = serve(ours, Workload(seed), 80, after=lambda k: ours.cache.marconi.index.check())
     hits_theirs = serve(theirs, Workload(seed), 80)
     assert hits_ours == hits_theirs and sum(hits_ours) > 0
     assert (ours.kv_ledger(), ours.mamba_ledger()) == (theirs.kv_ledger(), theirs.mamba_ledger())
-    assert victims and all(v.pressure == KV_PRESSURE and v.alpha == 0.0 for v in victims)
+    assert victims and all(v.pressure == KV_PRESSURE and v.weight == 0.0 for v in victims)
     assert ours.settings.counters.stale_repairs == 0
 
 
@@ -404,7 +405,7 @@ def test_index_upkeep_after_each_release_with_marconi_admission(admission):
 
     cc, runtime = build_marconi_serving(MarconiServingConfig(alpha=0.5, admission=admission),
                                         kv_size=2400, mamba_size=10, max_num_reqs=2)
-    index, pending = cc.cache.marconi_index, []
+    index, pending = cc.cache.marconi.index, []
     serve(cc, Workload(0), 40, after=lambda k: pending.append(len(index._dirty) + len(index._struct)))
     assert index.root is not None  # bound at the first eviction
     assert (max(pending[-20:]) == 0) == admission, pending[-20:]
@@ -415,7 +416,7 @@ def test_index_upkeep_after_each_release_with_marconi_admission(admission):
 def test_nothing_is_recorded_before_the_first_eviction(marconi_cache):
     # A cache that never evicts must not hold on to every node it ever touched.
     cc = marconi_cache(alpha=1.0, kv_size=200_000, mamba_size=400, max_num_reqs=2)
-    index = cc.cache.marconi_index
+    index = cc.cache.marconi.index
     serve(cc, Workload(3), 40)
     assert index.root is None and not index._dirty and not index._struct
     cc.cache.evict(EvictParams(num_tokens=500))  # the first eviction binds the index

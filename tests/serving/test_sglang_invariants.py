@@ -27,18 +27,18 @@ def test_no_leak_and_locked_nodes_survive(extra_buffer, seed):
     for i in range(45):
         prefix = rng.choice(PREFIXES)
         tokens = prefix[: rng.randint(50, len(prefix))] + [rng.randint(10_000, 10_050) for _ in range(rng.randint(1, 200))]
-        admission = cc.cache.components[MAMBA].marconi_admission_counters if i else None
+        admission = cc.cache.marconi.admission if i else None
         on_probation = admission.probationary_admitted if admission else 0
         before = sum(1 for n in cc.nodes() if n.component_data[MAMBA].value is not None)
         run_request(cc, tokens, rng.randint(1, 40), chunk_size=rng.choice([None, 128]), chunk_end=chunk_end_for_branch)
         cc.check_no_leak()  # available + evictable + protected == pool size, KV tokens and Mamba slots
         after = sum(1 for n in cc.nodes() if n.component_data[MAMBA].value is not None)
-        admission = cc.cache.components[MAMBA].marconi_admission_counters
+        admission = cc.cache.marconi.admission
         probationary = admission.probationary_admitted - on_probation
         assert probationary <= int(probation)  # at most one, at the end of the input
         assert after - before <= 2 + probationary  # Marconi's two (branch and final), plus it
-        for node in cc.cache.marconi_index.probation.values():  # every entry is a live state or stale
-            assert cc.cache.tree_core._node_arena.get(node.id) is not node or node.parent is not None
+        for node in cc.cache.marconi.probation:  # every entry is a live state: gone ones are forgotten
+            assert cc.cache.tree_core._node_arena.get(node.id) is node and node.component_data[MAMBA].value is not None
         if locked is None and i == 10:
             node = next(n for n in cc.nodes() if n.component_data[MAMBA].value is not None and not n.children)
             locked = (node, cc.cache.lock(node.id), node.component_data[MAMBA].value.clone())

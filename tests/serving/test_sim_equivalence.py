@@ -51,10 +51,8 @@ from sglang_marconi.policy.eviction import FlopAwareEviction  # noqa: E402
 from sglang_marconi.policy.hybrid_cache import HybridPrefixCache  # noqa: E402
 from sglang_marconi.policy.model_profile import load_profile  # noqa: E402
 from sglang_marconi.serving.admission import admission_mixin, chunk_end_for_branch  # noqa: E402
-from sglang_marconi.serving.eviction_components import (  # noqa: E402
-    MarconiEvictionSettings,
-    marconi_component_overrides,
-)
+from sglang_marconi.serving.components import marconi_component_overrides  # noqa: E402
+from sglang_marconi.serving.eviction_settings import MarconiEvictionSettings  # noqa: E402
 from sglang_marconi.sim.baselines.infinite import InfiniteCache  # noqa: E402
 from sglang_marconi.sim.synthetic import generate  # noqa: E402
 
@@ -72,7 +70,7 @@ WORKLOADS = {
 
 
 def marconi_sglang(alpha=0.0, **kwargs):
-    settings = MarconiEvictionSettings(PROFILE, alpha=alpha)
+    settings = MarconiEvictionSettings(PROFILE, choice=alpha)
     overrides = marconi_component_overrides(settings, mamba_mixins=(admission_mixin(),))
     cc = build_cache(component_registry_override=overrides, **kwargs)
     cc.settings = settings
@@ -196,7 +194,7 @@ def test_invariants_under_eviction(alpha, kv_size, mamba_size):
         assert hit <= bound.serve(r).hit_tokens
         agree += hit == cache.serve(r.input_tokens, r.output_tokens[:-1])[0].hit_tokens
     cache.check_invariants()
-    cc.cache.marconi_index.check()
+    cc.cache.marconi.index.check()
     c = cc.settings.counters
     assert c.evictions_leaf + c.evictions_single_child > 0, "no eviction pressure"
     assert c.stale_repairs == 0

@@ -103,9 +103,9 @@ def test_candidates_ranked_by_recency_and_flops_per_byte(alpha, first):
 
 def test_a_fault_is_reported_once_and_named():
     s = settings()
-    s.fault(ValueError("boom"))
-    s.fault(KeyError("later"))
-    assert s.faulted == "ValueError('boom')"
+    s.faults.unrecoverable("plan", ValueError("boom"))
+    s.faults.unrecoverable("plan", KeyError("later"))
+    assert s.faulted == "plan: ValueError: boom"
 
 
 # -- the incremental plan (policy/window_plan.py) on the same stand-in nodes, no engine --------

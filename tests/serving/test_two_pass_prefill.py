@@ -9,14 +9,12 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sglang_cpu import MAMBA, build_cache, make_request  # noqa: E402
+from sglang_cpu import MAMBA, build_cache, make_request, run_request  # noqa: E402
 from sglang_cpu import node_depth as depth  # noqa: E402
 
 from sglang_marconi.serving.admission import admission_mixin  # noqa: E402
-from sglang_marconi.serving.eviction_components import (  # noqa: E402
-    MarconiEvictionSettings,
-    marconi_component_overrides,
-)
+from sglang_marconi.serving.components import marconi_component_overrides  # noqa: E402
+from sglang_marconi.serving.eviction_settings import MarconiEvictionSettings  # noqa: E402
 from sglang_marconi.serving.admission import tracked_position_for_branch  # noqa: E402
 from sglang_marconi.serving.two_pass_prefill import (  # noqa: E402
     CHUNKED_TARGET,
@@ -25,6 +23,7 @@ from sglang_marconi.serving.two_pass_prefill import (  # noqa: E402
     TwoPassCounters,
     branch_tracking_active,
     install_two_pass_prefill_hook,
+    snapshot_step,
     two_pass_active,
     uninstall_two_pass_prefill_hook,
 )
@@ -53,11 +52,10 @@ def hooks():
 
 
 def marconi(**kwargs):
-    settings = MarconiEvictionSettings("nemotron-h-8b", alpha=0.0)
+    settings = MarconiEvictionSettings("nemotron-h-8b", choice=0.0)
     cc = build_cache(component_registry_override=marconi_component_overrides(
         settings, mamba_mixins=(admission_mixin(),)), **kwargs)
     cc.settings = settings
-    cc.cache.marconi_settings = settings  # what the `marconi` backend factory sets
     return cc
 
 
@@ -149,7 +147,7 @@ def state_depths(cc) -> list[int]:
 
 
 def two_pass(cc) -> TwoPassCounters:
-    return cc.cache.__dict__.get("marconi_two_pass_counters", TwoPassCounters())
+    return cc.cache.marconi.two_pass
 
 
 def test_hooks_registered_once_through_the_hook_registry():
@@ -211,13 +209,12 @@ def test_branch_inside_the_extend_is_split_there_and_continues_as_the_chunked_re
 
 def test_upstream_behaviour_without_the_split_for_comparison():
     cc = marconi()
-    cc.cache.marconi_settings = None  # backend not Marconi: hooks inactive
+    cc.cache.marconi = None  # backend not Marconi: hooks inactive
     s = Scheduler(cc)
     reqs = [s.submit(SYSTEM + list(range(5000 + 300 * i, 5200 + 300 * i))) for i in range(3)]
     for _ in reqs:
         s.round()
     assert [r.cached_tokens for r in reqs] == [0, 0, 0]
-    assert "marconi_two_pass_counters" not in cc.cache.__dict__
 
 
 def test_request_without_a_branch_point_is_untouched():
@@ -287,7 +284,7 @@ def test_second_new_request_with_a_branch_is_not_split_in_the_same_round():
 
 
 def test_nothing_changes_when_the_backend_is_not_marconi():
-    cc = build_cache()  # upstream components, no `marconi_settings`
+    cc = build_cache()  # upstream components: no Marconi state on the cache
     s = Scheduler(cc)
     s.submit(SYSTEM + list(range(5000, 5200)))
     s.drain()
@@ -295,22 +292,26 @@ def test_nothing_changes_when_the_backend_is_not_marconi():
     adder, batch = s.round()
     assert req.mamba_branching_seqlen == 960 and batch.extend_num_tokens == 1200
     assert adder.new_chunked_req is None and req.finished()
-    assert "marconi_two_pass_counters" not in cc.cache.__dict__
+    assert getattr(cc.cache, "marconi", None) is None
     cc.check_no_leak()
 
 
-def test_inactive_in_extra_buffer_mode():
-    marked = types.SimpleNamespace(marconi_settings=object(), enable_mamba_extra_buffer=True)
-    assert not two_pass_active(marked)
-    assert two_pass_active(types.SimpleNamespace(marconi_settings=object(), enable_mamba_extra_buffer=False))
-    assert not two_pass_active(types.SimpleNamespace(enable_mamba_extra_buffer=False))
+def test_active_in_both_modes_with_each_modes_grid():
+    """no_buffer: cut at the branch (no snapshot grid); extra_buffer: cut on SGLang's 64-token
+    snapshot grid; upstream's cache or admission: untouched."""
+    no_buffer, extra_buffer = marconi(), marconi(extra_buffer=True, mamba_size=64)
+    assert two_pass_active(no_buffer.cache) and snapshot_step(no_buffer.cache) is None
+    assert two_pass_active(extra_buffer.cache) and snapshot_step(extra_buffer.cache) == 64
+    assert not two_pass_active(build_cache().cache)
+    eviction_only = marconi_component_overrides(MarconiEvictionSettings("nemotron-h-8b", choice=0.0))
+    assert not two_pass_active(build_cache(component_registry_override=eviction_only).cache)
 
 
 def test_snapshot_steering_only_with_marconis_admission_in_extra_buffer_mode():
     assert branch_tracking_active(marconi(extra_buffer=True, mamba_size=64).cache)
     assert not branch_tracking_active(marconi().cache)  # no_buffer: two-pass splits instead
     assert not branch_tracking_active(build_cache(extra_buffer=True, mamba_size=64).cache)  # upstream's
-    eviction_only = marconi_component_overrides(MarconiEvictionSettings("nemotron-h-8b", alpha=0.0))
+    eviction_only = marconi_component_overrides(MarconiEvictionSettings("nemotron-h-8b", choice=0.0))
     assert not branch_tracking_active(build_cache(component_registry_override=eviction_only, extra_buffer=True,
                                                   mamba_size=64).cache)  # --marconi-admission off
 
@@ -338,11 +339,11 @@ def test_unaligned_branch_is_cut_at_the_last_aligned_position_before_it():
     s.drain()
     req = s.submit(SYSTEM + list(range(6000, 6192)))
     adder, batch = s.round()
-    assert req.mamba_branching_seqlen == 1000 and req.marconi_branch_cut == 960 and req.prefix_len == 960
+    assert req.mamba_branching_seqlen == 1000 and req.marconi.branch_cut == 960 and req.prefix_len == 960
     assert batch.extend_num_tokens == 960 and 960 in state_depths(cc)
     assert (two_pass(cc).splits, two_pass(cc).aligned_below, two_pass(cc).skipped_unaligned) == (1, 1, 0)
     s.drain()
-    admission = cc.cache.components[MAMBA].marconi_admission_counters
+    admission = cc.cache.marconi.admission
     assert admission.branch_states_admitted == 1 and admission.grid_lost_tokens == 40
     third = s.submit(SYSTEM + list(range(7000, 7192)))
     s.drain()
@@ -413,3 +414,20 @@ def test_a_fault_in_admission_falls_back_to_upstreams_checkpoints(monkeypatch, c
     # Upstream's admission keeps a state per prefill chunk (on its 64-token grid), Marconi's never does.
     assert len(state_depths(cc)) > 3
     cc.check_no_leak()
+
+
+def test_extra_buffer_ends_the_chunk_one_snapshot_step_before_the_branch():
+    """extra_buffer: SGLang snapshots a state a whole number of 64-token steps into an extend. The
+    second request (hit 0, branch at 1,000) is admitted for [0, 936) only, so its next extend,
+    [936, 1200), has the branch one step in. (The first request runs through `run_request`, which
+    plays the forward pass's snapshot; the hits are checked in test_sglang_admission.py.)"""
+    cc = marconi(extra_buffer=True, mamba_size=64)
+    run_request(cc, SYSTEM + list(range(5000, 5200)), 1)
+    assert state_depths(cc) == [1152]  # its extend's last 64k snapshot, its final state
+    s = Scheduler(cc)
+    req = s.submit(SYSTEM + list(range(6000, 6200)))
+    adder, batch = s.round()
+    assert req.mamba_branching_seqlen == 1000 and batch.extend_num_tokens == 936 and s.chunked_req is req
+    assert two_pass(cc).splits == 1
+    adder, batch = s.round()  # the continuation, from one grid step before the branch to the end
+    assert batch.extend_num_tokens == 1200 - 936 and req.finished()

@@ -21,7 +21,8 @@ from sglang_cpu import FULL, MAMBA, run_request  # noqa: E402
 from test_sglang_eviction import VOCAB, Workload, alive, brute_force, serve, utilities  # noqa: E402
 
 from sglang_marconi.policy.model_profile import load_profile  # noqa: E402
-from sglang_marconi.serving.eviction_components import BYTE_PRESSURE, KV_PRESSURE, MAMBA_PRESSURE  # noqa: E402,F401
+from sglang_marconi.serving.cache_state import EvictionWalk, marconi_evict_params  # noqa: E402
+from sglang_marconi.serving.eviction_settings import BYTE_PRESSURE, KV_PRESSURE, MAMBA_PRESSURE  # noqa: E402,F401
 from sglang_marconi.serving.runtime import shadow_budget  # noqa: E402
 
 
@@ -40,10 +41,22 @@ class UnionChecker:
         for pressure in (KV_PRESSURE, MAMBA_PRESSURE):
             for node, value in brute_force(self.cc, pressure).items():
                 union[(pressure, node)] = value
-        scores = utilities(union, victim.alpha)
+        scores = utilities(union, victim.weight)
         best = min(scores.values())
         mine = min(s for (p, n), s in scores.items() if n is victim.node)
         assert mine <= best + 1e-9, (victim.kind, mine, best)
+
+
+def every_walk_funds_bytes():
+    """The Marconi cache with every eviction call treated as a byte shortfall (the rule's check;
+    SGLang's own unified-memory path is in tests/server/test_live_unified_memory.py)."""
+    from sglang_marconi.serving.cache import marconi_cache_class
+
+    class EveryWalkFundsBytes(marconi_cache_class()):
+        def _marconi_walk_for(self, params, allocation_reclaim_satisfied):
+            return EvictionWalk(byte_budget=True)
+
+    return EveryWalkFundsBytes
 
 
 def test_a_byte_shortfall_tombstones_the_cheapest_state_before_deleting_a_leaf(marconi_cache):
@@ -56,15 +69,11 @@ def test_a_byte_shortfall_tombstones_the_cheapest_state_before_deleting_a_leaf(m
     run_request(cc, second, 1)  # x (300 tokens, state) -> y (200 tokens, state, leaf)
     (x,) = cc.tree_core.root_node.children.values()
     (y,) = x.children.values()
-    index = cc.cache.marconi_index
-    index.byte_budget = True
-    try:
-        # x's state is the least recently used candidate of either kind (alpha 0): a byte
-        # shortfall takes its bytes first (KV kept), where a KV walk could only delete leaf y.
-        assert index.choose_across() is x
-        cc.cache.evict(EvictParams(num_tokens=1))
-    finally:
-        index.byte_budget = False
+    index = cc.cache.marconi.index
+    # x's state is the least recently used candidate of either kind (alpha 0): a byte shortfall
+    # takes its bytes first (KV kept), where a KV walk could only delete leaf y.
+    assert index.choose_across(0.0) is x
+    cc.cache.evict(marconi_evict_params(num_tokens=1, walk=EvictionWalk(byte_budget=True)))
     assert [(v.pressure, v.kind, v.node) for v in victims] == [
         (BYTE_PRESSURE, "single_child", x), (BYTE_PRESSURE, "leaf", y)]
     assert alive(cc, x) and x.component_data[FULL].value is not None and x.component_data[MAMBA].value is None
@@ -75,13 +84,13 @@ def test_a_byte_shortfall_tombstones_the_cheapest_state_before_deleting_a_leaf(m
 @pytest.mark.parametrize("alpha", [0.0, 0.7, 5.0])
 def test_byte_budget_victims_are_the_lowest_utility_over_both_kinds(marconi_cache, alpha):
     checker = UnionChecker()
-    cc = marconi_cache(alpha=alpha, observer=checker, kv_size=2400, mamba_size=10, max_num_reqs=2)
+    cc = marconi_cache(alpha=alpha, observer=checker, kv_size=2400, mamba_size=10, max_num_reqs=2,
+                       cache_class=every_walk_funds_bytes())
     checker.cc = cc
-    cc.cache.marconi_index.byte_budget = True
     serve(cc, Workload(11), 50)
     assert checker.kinds["leaf"] + checker.kinds["single_child"] > 20, checker.kinds  # the check ran
     assert cc.settings.counters.stale_repairs == 0
-    cc.cache.marconi_index.check()
+    cc.cache.marconi.index.check()
     cc.check_no_leak()
 
 

@@ -16,6 +16,7 @@ from itertools import islice
 
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.sim.baselines.vllm_plus import block_keys
+from sglang_marconi.sim.units import format_bytes
 from sglang_marconi.sim.workload import Workload
 
 
@@ -42,3 +43,21 @@ def block_trace(workload: Workload, block_size: int, limit: int | None = None) -
     requests = [(block_keys(r.input_tokens, block_size, partial_tail=True), r.input_len)
                 for r in islice(workload, limit)]
     return BlockTrace(workload.name, block_size, requests, derived=True)
+
+
+def kv_capacities(trace: BlockTrace, profile, capacities: list[int], blocks: list[int] | None) -> list[tuple[int, int]]:
+    """(blocks, bytes) per capacity of a kv-* policy: `blocks` as given (bytes: their KV on
+    `profile`), else each byte capacity holds floor(bytes / KV bytes of one block) blocks."""
+    block_bytes = profile.kv_bytes_per_token * trace.block_size
+    if blocks:
+        return [(b, b * block_bytes) for b in blocks]
+    if block_bytes <= 0:
+        raise MarconiError(f"model {profile.name} has no KV cache (0 bytes per token): size kv-* policies "
+                           "with --capacity-blocks")
+    out = []
+    for capacity in capacities:
+        if capacity < block_bytes:
+            raise MarconiError(f"capacity {format_bytes(capacity)} holds no KV block of {trace.block_size} tokens "
+                               f"({format_bytes(block_bytes)} on {profile.name})")
+        out.append((capacity // block_bytes, capacity))
+    return out

@@ -1,0 +1,111 @@
+"""What the served cache evicts by: the eviction choice in force (one of the shadow tuner's
+choices, `policy/shadow_tuner.py`), the model's FLOP/byte profile, the counters of what it did,
+and the cache's fault protocol (`faults.py`). Engine-free.
+
+The choice decides the rule:
+- `"lru"`: SGLang's own LRU (upstream's walks; under KV pressure the index's recency-only pick,
+  which is the same leaf);
+- an alpha `A` (float): Marconi's FLOP-aware rule, `norm(recency) + A * norm(FLOPs saved per byte)`
+  over the <= 1-child candidates (A = 0: LRU over those candidates, refreshing only the node hit);
+- `"seglen:W"`: SegLen-style, `norm(recency) + W * norm(replay length back to the nearest state)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from sglang_marconi.policy.eviction import SegLenEviction
+from sglang_marconi.policy.eviction.flop_aware import check_alpha
+from sglang_marconi.policy.shadow_tuner import LRU, Choice, choice_label, eviction_for
+from sglang_marconi.serving.faults import MarconiFaults
+
+KV_PRESSURE = "kv"
+MAMBA_PRESSURE = "mamba"
+BYTE_PRESSURE = "bytes"  # one byte budget short of Mamba bytes: victims of either kind
+
+
+@dataclass
+class EvictionCounters:
+    evictions_leaf: int = 0  # leaves deleted whole (KV and state), under either pressure
+    evictions_single_child: int = 0  # states tombstoned on single-child nodes (KV kept)
+    evictions_fallback: int = 0  # Mamba pressure without Marconi candidates: upstream's LRU state
+    evictions_probationary: int = 0  # probationary states, evicted first under Mamba pressure
+    stale_repairs: int = 0  # chosen victims whose index entry was out of date (expected 0)
+
+
+@dataclass(frozen=True)
+class MarconiVictim:
+    """One eviction decision, reported to `MarconiEvictionSettings.observer` before it is made."""
+
+    pressure: str  # KV_PRESSURE, MAMBA_PRESSURE or BYTE_PRESSURE
+    kind: str  # "leaf", "single_child", "probationary" or "fallback"
+    node: Any  # SGLang's UnifiedTreeNode, still untouched
+    weight: float  # the rule's weight (alpha, or the SegLen weight; 0 for LRU)
+
+
+class MarconiEvictionSettings:
+    """The eviction choice in force and what the components need to apply it.
+
+    `choice` may be changed at any time (the runtime does, at sync points); the next eviction
+    uses it. `observer`, if set, is called with a `MarconiVictim` for every decision, before it
+    is applied. `faults` is the cache's fault protocol; `faulted` says why this cache serves
+    upstream's rules (a rank alone after an unrecoverable fault), None while it serves Marconi's.
+    """
+
+    def __init__(self, profile, choice: Choice = 0.0, observer: Optional[Callable[[MarconiVictim], None]] = None,
+                 faults: Optional[MarconiFaults] = None):
+        if isinstance(profile, str):
+            from sglang_marconi.policy.model_profile import load_profile
+
+            profile = load_profile(profile)
+        for attr in ("kv_bytes_per_token", "ssm_state_bytes", "prefill_flops"):
+            if not hasattr(profile, attr):
+                raise TypeError(f"profile {profile!r} has no {attr}")
+        self.profile = profile
+        self.counters = EvictionCounters()
+        self.observer = observer
+        self.probation = False  # probationary states at the end of each input (`admission.py`)
+        self.faults = faults if faults is not None else MarconiFaults()
+        self.choice = choice
+
+    # -- the choice in force -------------------------------------------------------------------
+    @property
+    def choice(self) -> Choice:
+        return self._choice
+
+    @choice.setter
+    def choice(self, choice: Choice) -> None:
+        if choice == LRU:
+            self.kind, self.weight = "lru", 0.0
+        else:
+            eviction = eviction_for(choice)
+            self.kind = "seglen" if isinstance(eviction, SegLenEviction) else "flops"
+            self.weight = check_alpha(eviction.alpha)
+        self._choice = choice
+
+    @property
+    def use_upstream_lru(self) -> bool:
+        return self.kind == "lru"
+
+    @property
+    def value_kind(self) -> str:
+        """The index's second column: "flops" (FLOPs saved per byte) or "seglen" (replay length)."""
+        return "seglen" if self.kind == "seglen" else "flops"
+
+    @property
+    def alpha(self) -> float:
+        """The FLOP-efficiency weight in force; 0 under LRU or SegLen (which have none)."""
+        return self.weight if self.kind == "flops" else 0.0
+
+    @property
+    def label(self) -> str:
+        return choice_label(self._choice)
+
+    # -- faults ---------------------------------------------------------------------------------
+    @property
+    def faulted(self) -> Optional[str]:
+        return self.faults.fallen_back
+
+    def __repr__(self) -> str:
+        return f"MarconiEvictionSettings(profile={getattr(self.profile, 'name', self.profile)!r}, choice={self.label})"

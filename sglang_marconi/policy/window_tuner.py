@@ -9,7 +9,9 @@ session-clustered errors, two halves of the clusters). Every `epoch` sampled req
 - adoption: the long-window leader (near-ties, within `tie`, to the larger alpha) replaces the live
   alpha if it leads it by `margin` and `z` clustered errors in both halves, and no switch happened
   within `dwell` sampled requests.
-Decisions depend only on the request stream. The caller adopts a returned alpha.
+Decisions depend only on the request stream. The caller adopts a returned alpha. The interface is
+the shadow tuner's (`current`, `choices`, `log`, `scores`, `score_table()`), so the served runtime
+runs either (`tuner_spec.TunerSpec`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 import numpy as np
 
 from sglang_marconi.policy.sampling import session_in_sample
-from sglang_marconi.policy.shadow_tuner import LONG, SHORT, Evidence, ShadowConfig
+from sglang_marconi.policy.shadow_tuner import LONG, SHORT, Evidence, ShadowConfig, TunerLog, choice_label
 from sglang_marconi.policy.window_cache import WindowPrefixCache, WindowRules
 
 
@@ -35,20 +37,40 @@ class WindowTuner:
         self.shadows = [WindowPrefixCache(profile, capacity, rules, alpha=a, swa_share=swa_share)
                         for a in self.choices]
         self.evidence = Evidence(len(self.choices), (config.half_life, config.guard_half_life))
-        self.current = 0
-        self.decisions: list[tuple[int, float]] = []  # (requests seen, alpha adopted)
-        self.requests = self.sampled = 0
+        self.index = 0  # of the alpha in force
+        self.log = TunerLog()
         self._since_switch = 0
 
     @property
     def alpha(self) -> float:
-        return self.choices[self.current]
+        return self.choices[self.index]
+
+    current = alpha  # the choice in force, as the shadow tuner names it
+
+    @property
+    def decisions(self) -> list[tuple[int, float]]:
+        return self.log.decisions
+
+    @property
+    def requests(self) -> int:
+        return self.log.requests
+
+    @property
+    def sampled(self) -> int:
+        return self.log.sampled
+
+    @property
+    def scores(self) -> np.ndarray:
+        return self.evidence.scores[LONG]
+
+    def score_table(self) -> dict[str, float]:
+        return {choice_label(c): float(s) for c, s in zip(self.choices, self.scores)}
 
     def observe(self, session_key: str, input_tokens, output_tokens) -> float | None:
-        self.requests += 1
+        self.log.requests += 1
         if not session_in_sample(str(session_key), self.config.sample_rate):
             return None
-        self.sampled += 1
+        self.log.sampled += 1
         self._since_switch += 1
         inp = np.asarray(input_tokens, dtype=np.int64)
         hits = [shadow.serve(inp, output_tokens)[0].hit_tokens for shadow in self.shadows]
@@ -58,12 +80,12 @@ class WindowTuner:
         else:
             whole, gains = float(len(inp)), np.asarray(hits, dtype=float)
         self.evidence.add(str(session_key), gains, whole)
-        if self.sampled % self.config.epoch:
+        if self.log.sampled % self.config.epoch:
             return None
         return self._decide()
 
     def _decide(self) -> float | None:
-        c, ev, cur = self.config, self.evidence, self.current
+        c, ev, cur = self.config, self.evidence, self.index
         if cur and ev.lead(0, cur, SHORT, c.guard_margin, c.guard_z):
             return self._switch(0)
         scores = ev.scores[LONG]
@@ -75,7 +97,7 @@ class WindowTuner:
         return None
 
     def _switch(self, index: int) -> float:
-        self.current = index
+        self.index = index
         self._since_switch = 0
-        self.decisions.append((self.requests, self.alpha))
+        self.log.decisions.append((self.log.requests, self.alpha))
         return self.alpha

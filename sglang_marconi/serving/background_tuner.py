@@ -40,7 +40,8 @@ from array import array
 import numpy as np
 
 from sglang_marconi.policy.sampling import session_in_sample
-from sglang_marconi.policy.shadow_tuner import Choice, ShadowConfig, ShadowTuner, TunerLog, choice_label
+from sglang_marconi.policy.shadow_tuner import Choice, ShadowTuner, TunerLog, choice_label
+from sglang_marconi.policy.tuner_spec import TunerSpec
 from sglang_marconi.serving.shared_ring import SharedRing, fence
 
 log = logging.getLogger("sglang_marconi")
@@ -64,12 +65,10 @@ class BackgroundShadowTuner:
     `mark_sync()` at each sync point, `choice_at(k)` for the decision to adopt there. `close()`
     stops the child and returns its log (None if it failed)."""
 
-    def __init__(self, profile, capacity_bytes: int, config: ShadowConfig, *, state_slots: int | None = None,
-                 checkpoint_grid: int = 1, page_size: int = 1, stall_s: float = 60.0, sync_every: int = 32,
-                 probation: bool = False, put_wait_s: float = 0.05):
-        self.config = config
-        self.choices = config.choices
-        self.current: Choice = config.start
+    def __init__(self, spec: TunerSpec, *, stall_s: float = 60.0, sync_every: int = 32, put_wait_s: float = 0.05):
+        self.config = config = spec.config
+        self.choices = spec.choices
+        self.current: Choice = spec.start
         self.stall_s = stall_s
         self.put_wait_s = put_wait_s
         self.sync_every = sync_every
@@ -90,8 +89,7 @@ class BackgroundShadowTuner:
         self._result_recv, result_send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=run_shadow_tuner, name="marconi-shadow-tuner", daemon=True,
-            args=(self._ring, result_send, self._state, os.getpid(), profile, capacity_bytes, state_slots, config,
-                  checkpoint_grid, page_size, sync_every, probation),
+            args=(self._ring, result_send, self._state, os.getpid(), spec, sync_every),
         )
         _start_without_main(self._proc)
         result_send.close()
@@ -294,13 +292,12 @@ class SyncRecorder:
             self.next_k += 1
 
 
-def run_shadow_tuner(ring: SharedRing, result_send, state, parent_pid, profile, capacity_bytes, state_slots, config,
-                     checkpoint_grid, page_size, sync_every, probation=False) -> None:
+def run_shadow_tuner(ring: SharedRing, result_send, state, parent_pid, spec: TunerSpec, sync_every: int) -> None:
     """Observe requests from `ring` until the parent closes it (or exits); publish the choice,
     scores and sync table in `state`; send the final `TunerLog` on `result_send`."""
     _yield_to_the_scheduler()
-    tuner = ShadowTuner(profile, capacity_bytes, config, checkpoint_grid=checkpoint_grid, page_size=page_size,
-                        state_slots=state_slots, probation=probation)
+    tuner = spec.build()
+    config = spec.config
     table = _SCORES + len(tuner.choices)
 
     def record(k: int, index: int) -> None:

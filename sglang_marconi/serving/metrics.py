@@ -63,6 +63,19 @@ GAUGES = {
     "marconi_faults_recovered": "Faults in Marconi's eviction index recovered by rebuilding it from the tree.",
     "marconi_rank_local_failures": "Rank-local Marconi features (tuning, metrics) stopped by a failure on this rank.",
 }
+# The gauges of a sliding-window (SWA) cache (`swa_runtime.SWARuntime.metrics`): the SSM ones that
+# apply, and what its window eviction does.
+SWA_GAUGES = {
+    **{key: GAUGES[key] for key in (
+        "marconi_token_hit_rate", "marconi_hit_tokens", "marconi_input_tokens", "marconi_alpha", "marconi_rule_weight",
+        "marconi_evictions_leaf", "marconi_evictions_fallback", "marconi_requests", "marconi_tuner_requests_fed",
+        "marconi_tuner_requests_dropped", "marconi_tuner_requests_observed", "marconi_tuning_failures",
+        "marconi_choice_switches", "marconi_sync_points", "marconi_sync_waits_late", "marconi_sync_wait_seconds",
+        "marconi_directives_applied", "marconi_faults_recovered", "marconi_rank_local_failures")},
+    "marconi_evictions_window": "A branch point's SWA window tombstoned (its full KV kept) by Marconi's window eviction.",
+    "marconi_evictions_stale": "SWA KV in no reuse point's window (no hit can read it) tombstoned, first under SWA pressure.",
+    "marconi_sliding_window": "The sliding window (tokens) Marconi's window eviction keeps before each reuse point.",
+}
 # One sample per eviction choice (label `choice`: "lru", an alpha such as "20", or "seglen:W").
 LABELED_GAUGES = {
     "marconi_choice": "1 for the eviction choice in force, 0 for the other candidates.",
@@ -132,13 +145,13 @@ class PrometheusGauges:
     """Marconi's gauges under `labels` (SGLang's scheduler labels). `maybe_publish` is the
     throttled entry point; `publish` sets every gauge now."""
 
-    def __init__(self, labels: dict, interval_s: float = PUBLISH_INTERVAL_S):
+    def __init__(self, labels: dict, interval_s: float = PUBLISH_INTERVAL_S, gauges: dict = GAUGES):
         self.labels = {k: str(v) for k, v in labels.items()}
         self.interval_s = interval_s
         self.last_publish: Optional[float] = None  # time.monotonic() of the last publish
         self.pending = False  # a throttled call left figures unpublished
         self.publishes = 0
-        self.gauges = {key: _gauge(key, doc, tuple(labels)) for key, doc in GAUGES.items()}
+        self.gauges = {key: _gauge(key, doc, tuple(labels)) for key, doc in gauges.items()}
         self.by_choice = {key: _gauge(key, doc, (*labels, "choice")) for key, doc in LABELED_GAUGES.items()}
 
     def maybe_publish(self, figures_fn: Callable[[], dict], now: Optional[float] = None, *,

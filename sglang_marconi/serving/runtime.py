@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_marconi.policy.shadow_tuner import Choice, ShadowTuner
+from sglang_marconi.policy.shadow_tuner import Choice
+from sglang_marconi.policy.tuner_spec import TunerSpec
 from sglang_marconi.serving.cache_state import request_state
 from sglang_marconi.serving.lockstep import Directive, GroupChannel, LocalChannel, RankGroup
 
@@ -52,18 +53,17 @@ class ServingFigures:
 
 
 class InlineShadowTuner:
-    """The shadow tuner on the caller's thread, with `BackgroundShadowTuner`'s interface."""
+    """The tuner on the caller's thread, with `BackgroundShadowTuner`'s interface."""
 
     failed = None
     dropped = 0
     late = 0
 
-    def __init__(self, profile, capacity_bytes, config, *, sync_every: int = 32, **kwargs):
+    def __init__(self, spec, *, sync_every: int = 32):
         from sglang_marconi.serving.background_tuner import SyncRecorder
 
-        kwargs.pop("stall_s", None)
-        self.tuner = ShadowTuner(profile, capacity_bytes, config, **kwargs)
-        self.choices = self.tuner.choices
+        self.tuner = spec.build()
+        self.choices = spec.choices
         self.fed = 0
         self._table: dict[int, int] = {}
         self._recorder = SyncRecorder(self.tuner, sync_every, self._table.__setitem__)
@@ -131,21 +131,26 @@ class MarconiRuntime:
         self.channel = LocalChannel(self.apply) if self.group.single else GroupChannel(self.apply)
         self.faults.on_fall_back = self._on_fall_back
         if self._tuning:
-            self.settings.choice = config.tuning().start
+            self.choices = self.tuner_spec(cache).choices
+            self.settings.choice = self.tuner_spec(cache).start
             if self.group.is_leader:
                 self.tuner = self._start_tuner(cache)
 
-    def _start_tuner(self, cache):
+    def tuner_spec(self, cache) -> TunerSpec:
+        """The shadow tuner over hybrid caches, modelling this cache's pools, grid and probation."""
         capacity, state_slots = shadow_budget(cache, self.profile)
-        kwargs = dict(state_slots=state_slots, checkpoint_grid=self.checkpoint_grid,
-                      page_size=cache.page_size, sync_every=self.sync_every,
-                      probation=bool(self.settings.probation))
+        return TunerSpec("hybrid", self.profile, capacity, self.config.tuning(), dict(
+            state_slots=state_slots, checkpoint_grid=self.checkpoint_grid, page_size=cache.page_size,
+            probation=bool(self.settings.probation)))
+
+    def _start_tuner(self, cache):
+        spec = self.tuner_spec(cache)
         if self.config.tune_workers == 0:
-            return InlineShadowTuner(self.profile, capacity, self.config.tuning(), **kwargs)
+            return InlineShadowTuner(spec, sync_every=self.sync_every)
         from sglang_marconi.serving.background_tuner import BackgroundShadowTuner
 
-        return BackgroundShadowTuner(self.profile, capacity, self.config.tuning(), stall_s=self.config.tune_timeout_s,
-                                     put_wait_s=self.sync_wait_s, **kwargs)
+        return BackgroundShadowTuner(spec, stall_s=self.config.tune_timeout_s, sync_every=self.sync_every,
+                                     put_wait_s=self.sync_wait_s)
 
     @property
     def choice(self) -> Choice:
@@ -273,7 +278,7 @@ class MarconiRuntime:
         if not self._tuning:
             return
         if directive.choice is not None:
-            chosen = self.config.tuning().choices[directive.choice]
+            chosen = self.choices[directive.choice]
             if chosen != self.choice:
                 self.settings.choice = chosen
                 self.adoptions.append((self.released, chosen))

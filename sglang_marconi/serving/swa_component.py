@@ -50,9 +50,9 @@ from dataclasses import dataclass, field
 from sglang_marconi.policy.window_plan import LEAF, STALE, WindowPlan, reference_plan
 from sglang_marconi.serving.cache_state import MarconiCacheState
 from sglang_marconi.serving.faults import MarconiFaults
+from sglang_marconi.serving.swa_runtime import SWAFigures, SWARuntime
 
 log = logging.getLogger("sglang_marconi")
-DEFAULT_SWA_ALPHA = 1.0  # no online tuning for windows in the server yet: a fixed FLOP weight
 
 
 def profile_for_swa(config: dict):
@@ -72,77 +72,42 @@ def profile_for_swa(config: dict):
 
 
 @dataclass
-class SWAFigures:
-    """What `/server_info` shows under `marconi` for an SWA model."""
-    requests: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-    evictions_stale: int = 0  # SWA segments in no reuse point's window, tombstoned
-    evictions_window: int = 0  # a branch point's window tombstoned
-    evictions_leaf: int = 0  # a branch deleted whole
-    evictions_fallback: int = 0  # upstream's LRU step (nothing of ours left)
-
-    def as_dict(self, alpha: float, window: int) -> dict:
-        rate = self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-        return {"marconi_eviction_policy": "marconi-swa", "marconi_alpha": alpha,
-                "marconi_sliding_window": window, "marconi_token_hit_rate": rate,
-                **{f"marconi_{k}": v for k, v in vars(self).items()}}
-
-
-class SWARuntime:
-    """The cache's reporting side (the `marconi_runtime` the cache class and hooks call)."""
-
-    def __init__(self, settings):
-        self.settings = settings
-        self.figures = SWAFigures()
-
-    def report(self, where: str, fn, *args) -> None:
-        """Run one of the cache's reports; a failure stops the figures on this rank, never more."""
-        faults = self.settings.faults
-        if faults.stopped("metrics"):
-            return
-        try:
-            fn(*args)
-        except Exception as exc:
-            faults.rank_local("metrics", where, exc)
-
-    def on_match(self, req, full_kv_hit_length) -> None:
-        pass
-
-    def on_evict(self, num_tokens, mamba_num) -> None:
-        pass
-
-    def on_release(self, req) -> None:
-        self.report("on_release", self._account, req)
-
-    def _account(self, req) -> None:
-        self.figures.requests += 1
-        self.figures.prompt_tokens += len(req.origin_input_ids)
-        self.figures.hit_tokens += int(getattr(req, "cached_tokens", 0) or 0)
-
-    def on_idle(self) -> None:
-        pass
-
-    def metrics(self, cache) -> dict:
-        figures = self.figures.as_dict(self.settings.alpha, self.settings.window)
-        figures.update(self.settings.faults.figures())
-        if self.settings.faulted:
-            figures.update(marconi_eviction_policy="upstream", marconi_fault=self.settings.faulted)
-        return figures
-
-
-@dataclass
 class SWASettings:
+    """What the SWA component evicts by: the FLOP weight in force (`alpha`, which the runtime's
+    directives change, as `choice`), the window, the figures and the cache's fault protocol."""
     profile: object
     alpha: float
     window: int
-    figures: SWAFigures
+    figures: object  # swa_runtime.SWAFigures
     faults: MarconiFaults = field(default_factory=MarconiFaults)  # the cache's fault protocol (faults.py)
+    probation = False  # (the runtime's interface: no probationary windows)
 
     @property
     def faulted(self) -> str | None:
         """Why this cache serves upstream's SWA eviction (a rank alone after an unrecoverable fault)."""
         return self.faults.fallen_back
+
+    @property
+    def choice(self) -> float:
+        return self.alpha
+
+    @choice.setter
+    def choice(self, alpha: float) -> None:
+        self.alpha = float(alpha)
+
+    @property
+    def kind(self) -> str:
+        return "flops"
+
+    @property
+    def weight(self) -> float:
+        return self.alpha
+
+    @property
+    def label(self) -> str:
+        from sglang_marconi.policy.shadow_tuner import choice_label
+
+        return choice_label(self.alpha)
 
 
 def window_time(node) -> float:
@@ -514,18 +479,24 @@ def marconi_swa_radix_cache_factory(ctx, config, fallback, group=None):
     if not profile.has_sliding_window:
         return fallback(ctx, f"{profile.name}: no sliding-window layers in its profile")
     window = int(ctx.params.swa_retain_window or profile.sliding_window)
-    alpha = DEFAULT_SWA_ALPHA if config.alpha is None else config.alpha
     figures = SWAFigures()
     faults = MarconiFaults(group.size, group.rank) if group is not None else MarconiFaults()
-    settings = SWASettings(profile=profile, alpha=alpha, window=window, figures=figures, faults=faults)
+    # `--marconi-alpha auto`: the runtime starts from the tuner's first choice and tunes it online
+    settings = SWASettings(profile=profile, alpha=config.alpha or 0.0, window=window, figures=figures, faults=faults)
     component = type("MarconiSWAComponent", (marconi_swa_component_class(),),
                      {"marconi_swa_settings": settings, "__module__": __name__})
     ctx.params.component_registry_override = {**(ctx.params.component_registry_override or {}),
                                               ComponentType.SWA: component}
     cache = create_unified_radix_cache(ctx, cache_class=marconi_swa_cache_class())
-    runtime = SWARuntime(settings)
-    runtime.figures = figures
-    cache.marconi = MarconiCacheState(settings, runtime=runtime, config=config)
+    cache.marconi = MarconiCacheState(settings, config=config)
+    cache.marconi.runtime = runtime = SWARuntime(cache, settings, config, group=group)
     cache.tree_core.components_by_type[ComponentType.SWA].marconi_start()
-    log.info("Marconi SWA cache for %s: window=%d, alpha=%s", profile.name, window, alpha)
+    from sglang_marconi.serving.metrics import SWA_GAUGES, PrometheusGauges, publishes_scheduler_metrics, \
+        scheduler_metric_labels
+
+    if publishes_scheduler_metrics():  # where SGLang publishes its own scheduler gauges
+        name = getattr(ctx.server_args, "served_model_name", None) or ctx.server_args.model_path
+        runtime.exporter = PrometheusGauges(scheduler_metric_labels(served_model_name=str(name)), gauges=SWA_GAUGES)
+    log.info("Marconi SWA cache for %s: window=%d, alpha=%s", profile.name, window,
+             "auto" if config.alpha is None else config.alpha)
     return cache

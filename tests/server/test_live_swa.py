@@ -148,6 +148,29 @@ def test_swa_server_uses_marconi(swa_server):
     assert figures["marconi_sliding_window"] in (SLIDING_WINDOW - 1, SLIDING_WINDOW)
 
 
+def test_swa_alpha_is_tuned_online_and_its_gauges_are_served(swa_server):
+    """`--marconi-alpha auto` (the default): window shadows score every alpha of the grid in the
+    background; the SWA gauges are on /metrics beside SGLang's."""
+    import time
+
+    from http_api import generate, marconi_figures, marconi_gauges
+
+    from sglang_marconi.policy.shadow_tuner import choice_label
+    from sglang_marconi.serving.config import MarconiServingConfig
+    from sglang_marconi.serving.metrics import SWA_GAUGES
+
+    for i in range(4):
+        generate(swa_server.url, tokens(900 + i, 40))
+    figures = marconi_figures(swa_server.url)
+    assert figures["marconi_tuning_failures"] == 0
+    assert set(figures["marconi_shadow_scores"]) == {choice_label(a) for a in MarconiServingConfig().alpha_grid}
+    deadline = time.monotonic() + 30  # published at most once a second, and when idle
+    while not set(SWA_GAUGES) <= set(gauges := marconi_gauges(swa_server.url)):
+        assert time.monotonic() < deadline, sorted(set(SWA_GAUGES) - set(gauges))
+        time.sleep(0.5)
+    assert gauges["marconi_requests"] >= 4 and gauges["marconi_sliding_window"] == figures["marconi_sliding_window"]
+
+
 def test_shared_system_prompt_longer_than_window_hits_from_third_request(swa_server):
     from http_api import flush_cache, generate
 

@@ -182,24 +182,27 @@ def _component_classes():
             self._index("discard_deleted_session_leaf", self._changed, node, False, True)
 
         # -- the walk ------------------------------------------------------------------------
+        def _tiers_not_modelled(self) -> bool:
+            """HiCache host tiers or a session cache (the factory builds upstream's cache for
+            these; this is the safety net for a cache built another way)."""
+            return bool(self.tree_core.enable_hicache or self.tree_core.enable_session_radix_cache)
+
         def _walks_upstream(self) -> bool:
-            """Whether this walk is upstream's, unchanged (see the module docstring)."""
-            if not self._marconi_active():
-                return True
-            tree_core = self.tree_core
-            if tree_core.enable_hicache or tree_core.enable_session_radix_cache:
-                self.marconi.index.invalidate()  # not ours to keep: rebuilt if ever used again
+            """Whether this walk is upstream's, unchanged (see the module docstring). A predicate."""
+            if not self._marconi_active() or self._tiers_not_modelled():
                 return True
             if not self.marconi.settings.use_upstream_lru:
                 return False
-            index = self.marconi.index
-            if index.bound and index.pending() > _MAX_PENDING:
-                self._index("flush", lambda _: index.flush(), None)
             return not (self.component_type == ComponentType.FULL
-                        and type(tree_core.eviction_strategy).__name__ == "LRUStrategy")
+                        and type(self.tree_core.eviction_strategy).__name__ == "LRUStrategy")
 
         def _evict_device_start(self, request_cnt: int) -> None:
             self._marconi_upstream_walk = self._walks_upstream()
+            index = self.marconi.index
+            if self._tiers_not_modelled():
+                index.invalidate()  # not ours to keep: rebuilt from the tree if ever used again
+            elif self._marconi_upstream_walk and index.bound and index.pending() > _MAX_PENDING:
+                self._index("flush", lambda _: index.flush(), None)  # keep the pending sets small meanwhile
             if self._marconi_upstream_walk:
                 return super()._evict_device_start(request_cnt)
             self._evict_device_request_cnt = request_cnt

@@ -30,6 +30,7 @@ import numpy as np
 from sglang_marconi.policy.candidate_index import CandidateIndex
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction
+from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
 from sglang_marconi.policy.radix_tree import Node, RadixTree, Walk, as_token_array
 
 
@@ -372,9 +373,9 @@ class HybridPrefixCache:
         without a state saves nothing on its own, unless the model has no SSM layers."""
         if not (node.has_state or self.attention_only):
             return 0.0
-        freed = (self.ssm_state_bytes if node.has_state else 0) + (
-            0 if node.children else len(node.tokens) * self.kv_bytes_per_token)
-        return self.profile.prefill_flops(node.parent.end, node.end) / freed if freed else 0.0
+        return flops_saved_per_byte(self.profile.prefill_flops(node.parent.end, node.end),
+                                    self.ssm_state_bytes if node.has_state else 0,
+                                    0 if node.children else len(node.tokens) * self.kv_bytes_per_token)
 
     def set_eviction(self, eviction: EvictionPolicy) -> None:
         """Switch eviction policy (alpha tuning may move between LRU and FLOP-aware eviction)."""

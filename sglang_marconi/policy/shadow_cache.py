@@ -30,6 +30,7 @@ import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
+from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
 from sglang_marconi.policy.hybrid_cache import CacheCounters
 from sglang_marconi.policy.shared_match import SharedMatch
 from sglang_marconi.policy.small_candidates import SmallCandidateIndex
@@ -512,9 +513,9 @@ class ShadowCache:
             elif self._by_length:
                 value = float(node.end - node.parent.end)
             else:
-                freed = (self.ssm_state_bytes if node.has_state else 0) + (
-                    0 if children else (node.end - node.start) * self.kv_bytes_per_token)
-                value = self.flops(node.parent.end, node.end) / freed if freed else 0.0
+                value = flops_saved_per_byte(self.flops(node.parent.end, node.end),
+                                             self.ssm_state_bytes if node.has_state else 0,
+                                             0 if children else (node.end - node.start) * self.kv_bytes_per_token)
             if node.slot < 0:
                 node.slot = self.index.add(node, node.last_access, value)
             else:

@@ -40,6 +40,7 @@ import operator
 from typing import Any, Optional
 
 from sglang_marconi.policy.candidate_index import CandidateIndex, lowest_across
+from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
 
 KV, MAMBA = 0, 1  # index positions: KV pressure, Mamba pressure
 PRESSURE_NAMES = ("kv", "mamba")
@@ -209,10 +210,9 @@ class MarconiTreeIndex:
                 self._flops.clear()
             flops = self._flops[start, end] = self.profile.prefill_flops(start, end)
         if leaf:
-            leaf_bytes = state_bytes + self._kv_bytes * (end - start)
-            eff = flops / leaf_bytes if leaf_bytes > 0 else 0.0
+            eff = flops_saved_per_byte(flops, state_bytes, self._kv_bytes * (end - start))
             return eff, (eff if mamba_cand else None)
-        return None, flops / state_bytes if state_bytes > 0 else 0.0
+        return None, flops_saved_per_byte(flops, state_bytes, 0)
 
     # -- upkeep ----------------------------------------------------------------------------------
     def _alive(self, node) -> bool:

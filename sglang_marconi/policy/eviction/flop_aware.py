@@ -11,6 +11,16 @@ from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction.base import EvictionPolicy
 
 
+def flops_saved_per_byte(flops: float, state_bytes: int, leaf_kv_bytes: int) -> float:
+    """Eq. 1, the value Marconi ranks a candidate by: the prefill FLOPs a hit at the node saves
+    over its parent in the compressed tree (`flops`), per byte its eviction frees: its state's
+    bytes, plus for a leaf the KV of its edge (`leaf_kv_bytes`; 0 for a single-child node, whose
+    KV stays). The one implementation: the simulator's caches, the tuner's shadows and the served
+    index (`serving/tree_index.py`) all call it."""
+    freed = state_bytes + leaf_kv_bytes
+    return flops / freed if freed else 0.0
+
+
 def check_alpha(alpha) -> float:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha >= 0:
         raise MarconiError(f"alpha must be a number >= 0, got {alpha!r}")

@@ -104,6 +104,17 @@ def test_swa_reads_through_swa_slots_match_windowed_sdpa():
 
 @pytest.fixture(scope="module")
 def swa_server(tiny_model, launch):
+    """Marconi's SWA rule at a fixed alpha (1, the paper's): what these tests check is the rule.
+    Under `--marconi-alpha auto` (the default) the server starts from alpha 0 (recency alone over
+    Marconi's candidates) and moves only on the shadows' evidence, which a few dozen requests do
+    not give; `tuned_swa_server` checks that path."""
+    server = launch(tiny_model("sliding-window"), launcher="marconi", extra_args=SWA_FLAGS + ("--marconi-alpha", "1"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture  # one test uses it: stopped right after
+def tuned_swa_server(tiny_model, launch):
     server = launch(tiny_model("sliding-window"), launcher="marconi", extra_args=SWA_FLAGS)
     yield server
     server.stop()
@@ -148,7 +159,7 @@ def test_swa_server_uses_marconi(swa_server):
     assert figures["marconi_sliding_window"] in (SLIDING_WINDOW - 1, SLIDING_WINDOW)
 
 
-def test_swa_alpha_is_tuned_online_and_its_gauges_are_served(swa_server):
+def test_swa_alpha_is_tuned_online_and_its_gauges_are_served(tuned_swa_server):
     """`--marconi-alpha auto` (the default): window shadows score every alpha of the grid in the
     background; the SWA gauges are on /metrics beside SGLang's."""
     import time
@@ -160,12 +171,12 @@ def test_swa_alpha_is_tuned_online_and_its_gauges_are_served(swa_server):
     from sglang_marconi.serving.metrics import SWA_GAUGES
 
     for i in range(4):
-        generate(swa_server.url, tokens(900 + i, 40))
-    figures = marconi_figures(swa_server.url)
+        generate(tuned_swa_server.url, tokens(900 + i, 40))
+    figures = marconi_figures(tuned_swa_server.url)
     assert figures["marconi_tuning_failures"] == 0
     assert set(figures["marconi_shadow_scores"]) == {choice_label(a) for a in MarconiServingConfig().alpha_grid}
     deadline = time.monotonic() + 30  # published at most once a second, and when idle
-    while not set(SWA_GAUGES) <= set(gauges := marconi_gauges(swa_server.url)):
+    while not set(SWA_GAUGES) <= set(gauges := marconi_gauges(tuned_swa_server.url)):
         assert time.monotonic() < deadline, sorted(set(SWA_GAUGES) - set(gauges))
         time.sleep(0.5)
     assert gauges["marconi_requests"] >= 4 and gauges["marconi_sliding_window"] == figures["marconi_sliding_window"]

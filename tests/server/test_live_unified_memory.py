@@ -40,6 +40,7 @@ UNIFIED = ("--enable-unified-memory", "--chunked-prefill-size", str(CHUNK))
 def server(request, tiny_model, launch):
     srv = launch(tiny_model(request.param), extra_args=UNIFIED)
     srv.strategy = "no_buffer"
+    srv.page_size = 1
     yield srv
     srv.stop()
 

@@ -13,7 +13,17 @@ drives each with the same workloads at a bounded concurrency, the cache flushed 
 - `mooncake-turns`: the same trace with a conversation's next turn rebuilt as the simulator does
   (`MooncakeTrace.scaled`: each 512-token block mapped to `--mooncake-block-tokens` tokens), the
   previous turn's actual output in place of the trace's (`serving_load.replay_sessions`);
-- `agent`: synthetic SWE-agent trajectories (`sim/synthetic.py`), replayed the same way.
+- `agent`: synthetic SWE-agent trajectories (`sim/synthetic.py`), replayed the same way;
+- `sharegpt`: synthetic ShareGPT-like short multi-turn chains (`sim/synthetic.py`), the same way.
+
+Per workload at least 300 requests (`--quick`: a few dozen, a smoke test of the harness, not
+evidence), at each pool size of `--kv-tokens` / `--mamba-slots` (lists, tight to ample) and each
+strategy of `--mamba-radix-cache-strategy` (a list). Beside each measured cell of a replayed
+workload (mooncake-turns, agent, sharegpt), the simulator's prediction for ours: the request
+stream our server was sent (inputs and its actual outputs, in the order it finished them)
+replayed through the simulator's model of the served cache on the same pools
+(`--kv-tokens/--mamba-slots/--mamba-radix-cache-strategy/--chunked-prefill-size`). SGLang's
+own generators (shared-prefix, multi-turn, mooncake) send text we do not record: no prediction.
 
 Reports per workload and server: cached tokens and token hit rate (SGLang's own counters on
 /metrics), TTFT p50/p95/p99 and throughput; a markdown table, `--out`/serving.json and
@@ -29,6 +39,8 @@ state-snapshot stand-in of `tests/cpu_engine/snapshot_platform.py`), or `auto` (
 it; on CPU with overlap scheduling on). On a GPU the default leaves SGLang's own choice.
 
     python scripts/bench_serving_compare.py [--quick] [--workloads shared-prefix,agent] [--out out/serving]
+    python scripts/bench_serving_compare.py --kv-tokens 4096,16384,65536 --mamba-slots 8,24,96 \
+        --mamba-radix-cache-strategy no_buffer,extra_buffer --workloads sharegpt,agent
     python scripts/bench_serving_compare.py --quick --mamba-radix-cache-strategy extra_buffer --out out/serving-xbuf
     python scripts/bench_serving_compare.py --device cuda --model-path nvidia/NVIDIA-Nemotron-Nano-9B-v2 -- --tp 1
 """
@@ -53,10 +65,13 @@ import live_server  # noqa: E402
 from live_server import start_server  # noqa: E402
 from serving_load import LoadResult, replay_sessions, run_bench_serving  # noqa: E402
 
-WORKLOADS = ("shared-prefix", "multi-turn", "mooncake", "mooncake-turns", "agent")
+WORKLOADS = ("shared-prefix", "multi-turn", "mooncake", "mooncake-turns", "agent", "sharegpt")
+REPLAYED = ("mooncake-turns", "agent", "sharegpt")  # token streams we send: the simulator can predict them
 RUNS = (("upstream", "sglang"), ("marconi", "marconi"), ("upstream-2", "sglang"))  # (label, launcher)
-# Bench pools on CPU: KV for long Mooncake prompts; few SSM slots, the scarce resource on real hybrids.
-CPU_BENCH_FLAGS = ("--max-total-tokens", "32768", "--max-mamba-cache-size", "24")
+# Bench pools on CPU, tight to ample: KV for long Mooncake prompts; few SSM slots, the scarce
+# resource on real hybrids.
+DEFAULT_KV_TOKENS = (8192, 32768, 131072)
+DEFAULT_MAMBA_SLOTS = (12, 24, 96)
 STRATEGIES = ("auto", "no_buffer", "extra_buffer")
 TINY_KINDS = ("gated-delta", "mamba2", "sliding-window")
 # The sliding-window tiny model (32-token window): an SWA pool of 1/8 of the full one, so cached
@@ -81,11 +96,14 @@ def cpu_strategy(strategy: str):
 
 
 def workload_sizes(quick: bool) -> dict:
-    return dict(groups=2 if quick else 4, per_group=4 if quick else 8, mooncake_prompts=4 if quick else 12,
-                mooncake_turns=80 if quick else 300, agents=3 if quick else 8)
+    """Per workload >= 300 requests (quick: a smoke test). agent: swe-agent trajectories at scale
+    0.1 run about 40 requests each; sharegpt sessions 10-16 turns."""
+    return dict(groups=2 if quick else 10, per_group=4 if quick else 30, mooncake_prompts=4 if quick else 300,
+                mooncake_turns=80 if quick else 300, agents=3 if quick else 8, sharegpt_sessions=3 if quick else 25)
 
 
-def run_workload(name: str, url: str, model: str, args, sizes: dict, scratch: Path) -> LoadResult:
+def run_workload(name: str, url: str, model: str, args, sizes: dict, scratch: Path,
+                 sent_log: list | None = None) -> LoadResult:
     c = args.max_concurrency
     gsp = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(sizes["groups"]),
            "--gsp-prompts-per-group", str(sizes["per_group"]), "--gsp-system-prompt-len", "384",
@@ -104,13 +122,41 @@ def run_workload(name: str, url: str, model: str, args, sizes: dict, scratch: Pa
         from sglang_marconi.sim.traces import load_trace
 
         trace = list(load_trace(MOONCAKE).scaled(args.mooncake_block_tokens, sizes["mooncake_turns"]))
-        return replay_sessions(url, trace, c, args.vocab_size, args.max_new_tokens)
-    if name == "agent":
+        return replay_sessions(url, trace, c, args.vocab_size, args.max_new_tokens, sent_log=sent_log)
+    if name in ("agent", "sharegpt"):
         from sglang_marconi.sim.synthetic import generate
 
-        trace = list(generate("swe-agent", sessions=sizes["agents"], scale=0.1))
-        return replay_sessions(url, trace, c, args.vocab_size, args.max_new_tokens)
+        trace = list(generate("swe-agent", sessions=sizes["agents"], scale=0.1) if name == "agent"
+                     else generate("sharegpt", sessions=sizes["sharegpt_sessions"]))
+        return replay_sessions(url, trace, c, args.vocab_size, args.max_new_tokens, sent_log=sent_log)
     raise ValueError(name)
+
+
+def predict(sent_log: list, model: str, pools: dict, strategy: str, chunk: int | None, scratch: Path) -> tuple:
+    """(predicted token hit rate of ours, None) from the simulator's model of the served cache on
+    the stream our server was sent, or (None, why not)."""
+    if not sent_log:
+        return None, "nothing recorded"
+    try:
+        from sglang_marconi.sim.cli import build_parser
+        from sglang_marconi.sim.cli import run as run_sim
+        from sglang_marconi.sim.traces import save_trace
+        from sglang_marconi.sim.workload import ListWorkload, Request
+
+        requests_ = [Request(session, i, float(i), ids, out) for i, (session, ids, out) in enumerate(sent_log)]
+        path = save_trace(ListWorkload("served", requests_), scratch / "served-stream.jsonl")
+        argv = ["--trace", str(path), "--model", model, "--kv-tokens", str(pools["kv_tokens"]), "--policies", "marconi",
+                "--no-progress"]
+        if pools.get("mamba_slots") is not None:
+            argv += ["--mamba-slots", str(pools["mamba_slots"]), "--mamba-radix-cache-strategy", strategy]
+        else:
+            argv += ["--swa-tokens", str(pools["swa_tokens"])]
+        if chunk:
+            argv += ["--chunked-prefill-size", str(chunk)]
+        (result,) = run_sim(build_parser().parse_args(argv))
+        return result.token_hit_rate, None
+    except (Exception, SystemExit) as exc:  # a prediction we cannot make is reported, never fatal
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
 
 
 def flush(url: str) -> None:
@@ -119,25 +165,36 @@ def flush(url: str) -> None:
     requests.post(url + "/flush_cache", params={"timeout": 60}, timeout=600).raise_for_status()
 
 
-def format_tables(results: dict, hardware: str) -> str:
-    """results[workload][run label] -> LoadResult."""
-    lines = [f"Times: {hardware}.", "",
-             "| workload | server | requests | prompt tokens | cached tokens | token hit % | TTFT p50 ms | TTFT p95 ms "
-             "| TTFT p99 ms | output tok/s | req/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for workload, runs in results.items():
-        for label, r in runs.items():
-            t = r.ttft_ms
-            lines.append(f"| {workload} | {label} | {r.requests} | {r.prompt_tokens:,} | {r.cached_tokens:,} "
-                         f"| {100 * r.token_hit_rate:.1f} | {t['p50']:.0f} | {t['p95']:.0f} | {t['p99']:.0f} "
-                         f"| {r.output_throughput:.1f} | {r.request_throughput:.2f} |")
-    lines += ["", "| workload | hit rate ours − upstream (pts) | TTFT p95 ours / upstream | upstream run-to-run p95 "
-              "spread | hit ≥ upstream | TTFT p95 within noise |", "|---|---|---|---|---|---|"]
-    for workload, runs in results.items():
-        s = summary(runs)
-        if s is None:
-            continue
-        lines.append(f"| {workload} | {s['hit_delta_pts']:+.1f} | {s['ttft_p95_ratio']:.2f}x | ±{100 * s['noise']:.0f}% "
-                     f"| {'yes' if s['hit_ok'] else 'NO'} | {'yes' if s['ttft_ok'] else 'NO'} |")
+def format_tables(results: dict, predictions: dict, hardware: str, quick: bool) -> str:
+    """results[cell][workload][run label] -> LoadResult; a cell is (strategy, pool label);
+    predictions[cell][workload] -> (hit rate, why not)."""
+    lines = [f"Times: {hardware}."]
+    if quick:
+        lines.append("QUICK MODE: a smoke test of the harness (a few dozen requests per workload), not evidence.")
+    lines += ["", "| strategy | pools | workload | server | requests | prompt tokens | cached tokens | token hit % "
+              "| TTFT p50 ms | TTFT p95 ms | TTFT p99 ms | output tok/s | req/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (strategy, pools), workloads in results.items():
+        for workload, runs in workloads.items():
+            for label, r in runs.items():
+                t = r.ttft_ms
+                lines.append(f"| {strategy} | {pools} | {workload} | {label} | {r.requests} | {r.prompt_tokens:,} "
+                             f"| {r.cached_tokens:,} | {100 * r.token_hit_rate:.1f} | {t['p50']:.0f} | {t['p95']:.0f} "
+                             f"| {t['p99']:.0f} | {r.output_throughput:.1f} | {r.request_throughput:.2f} |")
+    lines += ["", "| strategy | pools | workload | upstream hit % | ours hit % | simulator predicts ours % "
+              "| ours − upstream (pts) | TTFT p95 ours / upstream | upstream run-to-run p95 spread "
+              "| hit ≥ upstream − 0.5 | TTFT p95 within noise |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for cell, workloads in results.items():
+        for workload, runs in workloads.items():
+            s = summary(runs)
+            if s is None:
+                continue
+            hit, why = predictions.get(cell, {}).get(workload, (None, "not replayed by us"))
+            predicted = f"{100 * hit:.1f}" if hit is not None else f"- ({why})"
+            lines.append(f"| {cell[0]} | {cell[1]} | {workload} | {100 * s['upstream_hit']:.1f} | {100 * s['ours_hit']:.1f} "
+                         f"| {predicted} | {s['hit_delta_pts']:+.1f} | {s['ttft_p95_ratio']:.2f}x "
+                         f"| ±{100 * s['noise']:.0f}% | {'yes' if s['hit_ok'] else 'NO'} "
+                         f"| {'yes' if s['ttft_ok'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -154,31 +211,33 @@ def summary(runs: dict) -> dict | None:
     best_hit = max(r.token_hit_rate for r in upstream)
     ratio = ours.ttft_ms["p95"] / mean if mean else float("nan")
     return {"hit_delta_pts": 100 * (ours.token_hit_rate - best_hit), "ttft_p95_ratio": ratio, "noise": noise,
-            "hit_ok": ours.token_hit_rate >= best_hit, "ttft_ok": ratio <= 1 + noise}
+            "upstream_hit": best_hit, "ours_hit": ours.token_hit_rate,
+            "hit_ok": ours.token_hit_rate >= best_hit - 0.005, "ttft_ok": ratio <= 1 + noise}
 
 
 def plot(results: dict, path: Path, hardware: str) -> Path:
+    """Hit rate and TTFT p95 per (strategy, pools, workload), one bar per server run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    workloads = list(results)
+    keys = [(cell, w) for cell, workloads in results.items() for w in workloads]
     labels = [label for label, _ in RUNS]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    x = np.arange(len(workloads))
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(keys) + 3), 8))
+    x = np.arange(len(keys))
     width = 0.8 / len(labels)
     for i, label in enumerate(labels):
-        hit = [100 * results[w][label].token_hit_rate if label in results[w] else 0 for w in workloads]
-        p95 = [results[w][label].ttft_ms["p95"] if label in results[w] else 0 for w in workloads]
-        axes[0].bar(x + i * width, hit, width, label=label)
-        axes[1].bar(x + i * width, p95, width, label=label)
+        runs = [results[cell][w].get(label) for cell, w in keys]
+        axes[0].bar(x + i * width, [100 * r.token_hit_rate if r else 0 for r in runs], width, label=label)
+        axes[1].bar(x + i * width, [r.ttft_ms["p95"] if r else 0 for r in runs], width, label=label)
+    names = [f"{w}\n{cell[0]} {cell[1]}" for cell, w in keys]
     for ax, title in zip(axes, ("token hit rate (%)", "TTFT p95 (ms)")):
-        ax.set_xticks(x + width * (len(labels) - 1) / 2, workloads, rotation=20)
+        ax.set_xticks(x + width * (len(labels) - 1) / 2, names, rotation=60, fontsize=7)
         ax.set_title(title)
         ax.legend()
-    fig.suptitle(f"upstream SGLang vs sglang-marconi ({hardware})", fontsize=10)
+    fig.suptitle(f"upstream SGLang vs sglang-marconi ({hardware})", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -201,14 +260,27 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="small workloads (~3 min on a 2-core CPU)")
     p.add_argument("--out", default="out/serving")
     p.add_argument("--ours-args", default="", help="flags for our server only, e.g. \"--marconi-alpha 1\" (A/B runs)")
-    p.add_argument("--mamba-radix-cache-strategy", choices=STRATEGIES, default=None,
-                   help="SGLang's Mamba radix-cache strategy for both servers (default: no_buffer on CPU, "
-                        "SGLang's own elsewhere); extra_buffer and auto run with overlap scheduling")
+    p.add_argument("--mamba-radix-cache-strategy", default=None,
+                   help=f"comma list of {', '.join(STRATEGIES)}: SGLang's Mamba radix-cache strategy for both "
+                        "servers (default: no_buffer on CPU, SGLang's own elsewhere); extra_buffer and auto run "
+                        "with overlap scheduling")
+    p.add_argument("--kv-tokens", default=",".join(map(str, DEFAULT_KV_TOKENS)),
+                   help="comma list of KV pool sizes in tokens (--max-total-tokens), tight to ample")
+    p.add_argument("--mamba-slots", default=",".join(map(str, DEFAULT_MAMBA_SLOTS)),
+                   help="comma list of Mamba pool sizes in states (--max-mamba-cache-size), one per --kv-tokens; "
+                        "ignored for the sliding-window model (its SWA pool is --swa-full-tokens-ratio of the KV)")
     own, extra = _split(argv)
     args = p.parse_args(own)
     args.extra = extra
     if args.mamba_radix_cache_strategy is None and args.device == "cpu":
         args.mamba_radix_cache_strategy = "no_buffer"
+    args.strategies = (None,) if args.mamba_radix_cache_strategy is None else tuple(args.mamba_radix_cache_strategy.split(","))
+    bad = [x for x in args.strategies if x not in STRATEGIES and x is not None]
+    if bad:
+        p.error(f"--mamba-radix-cache-strategy: unknown {', '.join(bad)}; choose from {', '.join(STRATEGIES)}")
+    args.pools = list(zip(_counts(p, "--kv-tokens", args.kv_tokens), _counts(p, "--mamba-slots", args.mamba_slots)))
+    if len(args.kv_tokens.split(",")) != len(args.mamba_slots.split(",")):
+        p.error(f"--kv-tokens {args.kv_tokens} and --mamba-slots {args.mamba_slots}: one Mamba size per KV size")
     bad = [w for w in args.workloads.split(",") if w not in WORKLOADS]
     if bad:
         p.error(f"--workloads: unknown {', '.join(bad)}; choose from {', '.join(WORKLOADS)}")
@@ -219,6 +291,16 @@ def parse_args(argv):
     return args
 
 
+def _counts(p, flag: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        p.error(f"{flag} {text}: not a comma list of integers")
+    if any(v < 1 for v in values):
+        p.error(f"{flag} {text}: sizes must be >= 1")
+    return values
+
+
 def _split(argv):
     """(our arguments, the SGLang flags after `--`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -226,6 +308,14 @@ def _split(argv):
         i = argv.index("--")
         return argv[:i], argv[i + 1:]
     return argv, []
+
+
+def server_chunk(url: str) -> int | None:
+    import requests
+
+    info = requests.get(url + "/server_info", timeout=60).json()
+    chunk = info.get("chunked_prefill_size")
+    return int(chunk) if chunk and int(chunk) > 0 else None
 
 
 def main(argv=None) -> int:
@@ -242,43 +332,61 @@ def main(argv=None) -> int:
     from transformers import AutoConfig
 
     args.vocab_size = min(AutoConfig.from_pretrained(model).vocab_size, 32000)
-    strategy = args.mamba_radix_cache_strategy
+    swa = args.device == "cpu" and not args.model_path and args.tiny_kind == "sliding-window"
     hardware = (f"CPU/tiny-model ({platform.processor() or platform.machine()}, SGLang CPU engine; only ratios "
                 "mean anything)" if args.device == "cpu" else f"{args.device}, {model}")
-    hardware += f"; Mamba radix cache {strategy or 'SGLang default'}"
-    flags = CPU_BENCH_FLAGS if args.device == "cpu" else ()
-    if args.device == "cpu" and not args.model_path and args.tiny_kind == "sliding-window":
-        flags += CPU_SWA_BENCH_FLAGS
-    flags = (*flags, *args.extra)
-    if strategy is not None and args.device != "cpu":
-        flags = ("--mamba-radix-cache-strategy", strategy, *flags)
-    strategy_flags = (lambda: cpu_strategy(strategy)) if args.device == "cpu" else contextlib.nullcontext
     sizes = workload_sizes(args.quick)
     workloads = args.workloads.split(",")
-    results: dict = {w: {} for w in workloads}
-    for label, launcher in RUNS:
-        t0 = time.perf_counter()
-        ours = shlex.split(args.ours_args) if launcher == "marconi" else []
-        with strategy_flags():
-            server = start_server(model, launcher=launcher, extra_args=(*flags, *ours), device=args.device,
-                                  log_path=scratch / f"{label}.log")
-        print(f"{label}: ready in {time.perf_counter() - t0:.0f} s ({server.url})", flush=True)
-        try:
-            for w in workloads:
-                flush(server.url)
+    results: dict = {}
+    predictions: dict = {}
+    for strategy in args.strategies:
+        strategy_flags = (lambda: cpu_strategy(strategy)) if args.device == "cpu" else contextlib.nullcontext
+        for kv_tokens, mamba_slots in args.pools:
+            flags = ("--max-total-tokens", str(kv_tokens))
+            if swa:
+                flags += CPU_SWA_BENCH_FLAGS
+                ratio = float(CPU_SWA_BENCH_FLAGS[CPU_SWA_BENCH_FLAGS.index("--swa-full-tokens-ratio") + 1])
+                pools = {"kv_tokens": kv_tokens, "swa_tokens": int(kv_tokens * ratio)}
+                pool_label = f"kv {kv_tokens}, swa {pools['swa_tokens']}"
+            else:
+                flags += ("--max-mamba-cache-size", str(mamba_slots))
+                pools = {"kv_tokens": kv_tokens, "mamba_slots": mamba_slots}
+                pool_label = f"kv {kv_tokens}, mamba {mamba_slots}"
+            flags = (*flags, *args.extra)
+            if strategy is not None and args.device != "cpu":
+                flags = ("--mamba-radix-cache-strategy", strategy, *flags)
+            cell = (strategy or "SGLang default", pool_label)
+            results[cell] = {w: {} for w in workloads}
+            predictions[cell] = {}
+            for label, launcher in RUNS:
                 t0 = time.perf_counter()
-                results[w][label] = r = run_workload(w, server.url, model, args, sizes, scratch)
-                print(f"  {w}: {r.requests} requests, hit {100 * r.token_hit_rate:.1f}%, TTFT p95 "
-                      f"{r.ttft_ms['p95']:.0f} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
-        finally:
-            server.stop()
-    print(format_tables(results, hardware))
-    report = {"hardware": hardware, "model": model, "flags": list(flags), "ours_args": args.ours_args,
-              "mamba_radix_cache_strategy": strategy,
-              "max_concurrency": args.max_concurrency,
-              "sizes": sizes, "results": {w: {k: {**asdict(v), "token_hit_rate": v.token_hit_rate}
-                                              for k, v in runs.items()} for w, runs in results.items()},
-              "summary": {w: summary(runs) for w, runs in results.items()}}
+                ours = shlex.split(args.ours_args) if launcher == "marconi" else []
+                with strategy_flags():
+                    server = start_server(model, launcher=launcher, extra_args=(*flags, *ours), device=args.device,
+                                          log_path=scratch / f"{label}.log")
+                print(f"[{cell[0]}; {pool_label}] {label}: ready in {time.perf_counter() - t0:.0f} s ({server.url})",
+                      flush=True)
+                try:
+                    chunk = server_chunk(server.url)
+                    for w in workloads:
+                        flush(server.url)
+                        t0 = time.perf_counter()
+                        sent = [] if launcher == "marconi" and w in REPLAYED else None
+                        results[cell][w][label] = r = run_workload(w, server.url, model, args, sizes, scratch, sent)
+                        print(f"  {w}: {r.requests} requests, hit {100 * r.token_hit_rate:.1f}%, TTFT p95 "
+                              f"{r.ttft_ms['p95']:.0f} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
+                        if sent is not None:
+                            predictions[cell][w] = predict(sent, model, pools, strategy or "no_buffer", chunk, scratch)
+                finally:
+                    server.stop()
+    print(format_tables(results, predictions, hardware, args.quick))
+    report = {"hardware": hardware, "model": model, "ours_args": args.ours_args, "quick": args.quick,
+              "max_concurrency": args.max_concurrency, "sizes": sizes,
+              "cells": [{"strategy": cell[0], "pools": cell[1], "workload": w,
+                         "runs": {k: {**asdict(v), "token_hit_rate": v.token_hit_rate} for k, v in runs.items()},
+                         "predicted_ours": predictions[cell].get(w, (None, None))[0],
+                         "summary": summary(runs)}
+                        for cell, workloads_ in results.items() for w, runs in workloads_.items()]}
     (out / "serving.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {out / 'serving.json'} and {plot(results, out / 'serving.png', hardware)}")
     return 0

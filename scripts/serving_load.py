@@ -148,10 +148,11 @@ def _continuation(prev, request) -> int:
 
 
 def replay_samples(url: str, trace_requests, concurrency: int, vocab_size: int, max_new_tokens: int = 64,
-                   progress: bool = False) -> list[Sample]:
+                   progress: bool = False, sent_log: list | None = None) -> list[Sample]:
     """Replay `trace_requests` (sim `Request`s in arrival order), sessions `concurrency` at a time; a
     turn that continues an earlier one is sent as that turn's input and actual output plus its rest.
-    One `Sample` per request."""
+    One `Sample` per request; `sent_log` (if given) gets (session id, input ids, output ids) of
+    each request in the order the server finished them (what a simulator replays as served)."""
     from tqdm import tqdm
 
     sessions: dict[str, list] = {}
@@ -175,6 +176,8 @@ def replay_samples(url: str, trace_requests, concurrency: int, vocab_size: int, 
             sent.append((r, ids, out))
             with lock:
                 samples.append(sample)
+                if sent_log is not None:
+                    sent_log.append((r.session_id, ids, out))
                 bar.update()
 
     with ThreadPoolExecutor(concurrency) as pool:
@@ -185,11 +188,11 @@ def replay_samples(url: str, trace_requests, concurrency: int, vocab_size: int, 
 
 
 def replay_sessions(url: str, trace_requests, concurrency: int, vocab_size: int, max_new_tokens: int = 64,
-                    progress: bool = True) -> LoadResult:
+                    progress: bool = True, sent_log: list | None = None) -> LoadResult:
     """Replay `trace_requests` (`replay_samples`) and summarise it with the server's counters."""
     before = server_counters(url)
     started = time.perf_counter()
-    samples = replay_samples(url, trace_requests, concurrency, vocab_size, max_new_tokens, progress)
+    samples = replay_samples(url, trace_requests, concurrency, vocab_size, max_new_tokens, progress, sent_log)
     duration = time.perf_counter() - started
     after = server_counters(url)
     out_tokens = sum(s.output_tokens for s in samples)

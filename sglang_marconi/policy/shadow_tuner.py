@@ -63,7 +63,8 @@ from typing import Sequence
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
+from sglang_marconi.policy.eviction import (CoverageEviction, EvictionPolicy, FlopAwareEviction, LruLeafEviction,
+                                            SegLenEviction)
 from sglang_marconi.policy.eviction.flop_aware import check_alpha
 from sglang_marconi.policy.evidence import LONG, SHORT, Evidence, GuardSums
 from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
@@ -73,9 +74,10 @@ from sglang_marconi.policy.shadow_cache import FlopsTable, ShadowCache, ShadowNo
 from sglang_marconi.policy.shared_match import SharedMatch
 
 LRU = "lru"  # the choice that stands for SGLang's LRU (leaves only, whole-path refresh)
+COVERAGE = "coverage"  # SGLang #38000's rule (`policy/eviction/coverage.py`): a fixed choice, never tuned
 SEGLEN = "seglen"  # "seglen:W": SegLen-style eviction with weight W (`eviction/seglen.py`)
 OBJECTIVES = ("flops", "token_hit_rate")
-Choice = float | str  # an alpha of FLOP-aware eviction, LRU, or "seglen:W"
+Choice = float | str  # an alpha of FLOP-aware eviction, LRU, "seglen:W" or COVERAGE
 # Large alphas matter: with both terms min-max normalized, alpha >> 1 ranks by FLOP efficiency
 # first (recency breaks near-ties), which wins by 10-20 points on contended chat traces.
 DEFAULT_ALPHA_GRID = (0.0, 1.0, 20.0, 100.0)
@@ -108,6 +110,8 @@ def choice_label(choice: Choice) -> str:
 def eviction_for(choice: Choice) -> EvictionPolicy:
     if choice == LRU:
         return LruLeafEviction()
+    if choice == COVERAGE:
+        return CoverageEviction()
     if isinstance(choice, str):
         return SegLenEviction(float(choice.partition(":")[2]))
     return FlopAwareEviction(float(choice))

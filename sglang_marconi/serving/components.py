@@ -117,7 +117,7 @@ def _component_classes():
             second fault is unrecoverable (`_GONE`: this walk goes on as upstream's)."""
             index = self.marconi.index
             try:
-                index.use_value_column(self.marconi.settings.value_kind == "seglen")
+                index.use_value_column(self.marconi.settings.value_kind)
                 return pick(index)
             except Exception as exc:
                 self._index_fault(where, exc)

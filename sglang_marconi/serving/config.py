@@ -13,16 +13,18 @@ from dataclasses import asdict, dataclass, field
 
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.shadow_tuner import (
-    DEFAULT_ALPHA_GRID, DEFAULT_SEGLEN_WEIGHTS, OBJECTIVES, ShadowConfig, parse_alpha_grid,
+    COVERAGE, DEFAULT_ALPHA_GRID, DEFAULT_SEGLEN_WEIGHTS, OBJECTIVES, ShadowConfig, parse_alpha_grid,
     parse_seglen_weights,
 )
 
 ENV_VAR = "SGLANG_MARCONI_CONFIG"
+EVICTIONS = ("marconi", "coverage")
 
 
 @dataclass(frozen=True)
 class MarconiServingConfig:
     alpha: float | None = None  # None: tuned online ("auto")
+    eviction: str = "marconi"  # "coverage": SGLang #38000's rule instead, fixed (a comparison configuration)
     alpha_grid: tuple[float, ...] = DEFAULT_ALPHA_GRID
     seglen_weights: tuple[float, ...] = DEFAULT_SEGLEN_WEIGHTS
     retune: bool = True  # off: adopt the tuner's first decision and stop tuning (the paper tunes once)
@@ -38,6 +40,13 @@ class MarconiServingConfig:
     tune_sync_wait_s: float = 0.05  # the most a scheduler waits for the tuner at a sync point
     bootstrap_multiplier: float = 5.0  # no longer used (no bootstrap windows); kept so old flags still parse
     extra: dict = field(default_factory=dict)
+
+    @property
+    def fixed_choice(self):
+        """The eviction choice to serve, or None when it is tuned online."""
+        if self.eviction == "coverage":
+            return COVERAGE
+        return self.alpha
 
     def tuning(self) -> ShadowConfig:
         return ShadowConfig(alpha_grid=self.alpha_grid, seglen_weights=self.seglen_weights, objective=self.objective,
@@ -104,6 +113,9 @@ def _number(flag: str, text: str, kind=float):
 def add_marconi_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("Marconi prefix caching")
     g.add_argument("--marconi-alpha", default="auto", help="FLOP-aware eviction weight, or 'auto' to tune online")
+    g.add_argument("--marconi-eviction", default="marconi", choices=EVICTIONS,
+                   help="marconi: FLOP-aware eviction (--marconi-alpha); coverage: SGLang PR #38000's rule (the "
+                        "state covering the fewest positions first), fixed, with Marconi's admission")
     g.add_argument("--marconi-alpha-grid", default=",".join(f"{a:g}" for a in DEFAULT_ALPHA_GRID),
                    help="alphas the tuner's shadow caches run beside SGLang's LRU (START:STOP:STEP or list)")
     g.add_argument("--marconi-seglen-weights", default=",".join(f"{w:g}" for w in DEFAULT_SEGLEN_WEIGHTS),
@@ -155,6 +167,7 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
         raise _flag_error("--marconi-tune-stall-timeout", ns.marconi_tune_stall_timeout, "must be > 0")
     config = MarconiServingConfig(
         alpha=_alpha(ns.marconi_alpha),
+        eviction=ns.marconi_eviction,
         alpha_grid=_grid(ns.marconi_alpha_grid),
         seglen_weights=_weights(ns.marconi_seglen_weights),
         retune=_on_off("--marconi-retune", ns.marconi_retune),

@@ -7,7 +7,10 @@ The choice decides the rule:
   which is the same leaf);
 - an alpha `A` (float): Marconi's FLOP-aware rule, `norm(recency) + A * norm(FLOPs saved per byte)`
   over the <= 1-child candidates (A = 0: LRU over those candidates, refreshing only the node hit);
-- `"seglen:W"`: SegLen-style, `norm(recency) + W * norm(replay length back to the nearest state)`.
+- `"seglen:W"`: SegLen-style, `norm(recency) + W * norm(replay length back to the nearest state)`;
+- `"coverage"` (`--marconi-eviction coverage`, fixed): SGLang #38000's rule under Mamba pressure
+  (the state covering the fewest positions first, ties to the least recent;
+  `policy/eviction/coverage.py`), recency alone over the leaves under KV pressure.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from sglang_marconi.policy.eviction import SegLenEviction
 from sglang_marconi.policy.eviction.flop_aware import check_alpha
-from sglang_marconi.policy.shadow_tuner import LRU, Choice, choice_label, eviction_for
+from sglang_marconi.policy.shadow_tuner import COVERAGE, LRU, Choice, choice_label, eviction_for
 from sglang_marconi.serving.faults import MarconiFaults
 
 KV_PRESSURE = "kv"
@@ -78,6 +81,8 @@ class MarconiEvictionSettings:
     def choice(self, choice: Choice) -> None:
         if choice == LRU:
             self.kind, self.weight = "lru", 0.0
+        elif choice == COVERAGE:  # fewest positions covered first, ties by recency: no weight
+            self.kind, self.weight = "coverage", 0.0
         else:
             eviction = eviction_for(choice)
             self.kind = "seglen" if isinstance(eviction, SegLenEviction) else "flops"
@@ -90,8 +95,9 @@ class MarconiEvictionSettings:
 
     @property
     def value_kind(self) -> str:
-        """The index's second column: "flops" (FLOPs saved per byte) or "seglen" (replay length)."""
-        return "seglen" if self.kind == "seglen" else "flops"
+        """The index's second column: "flops" (FLOPs saved per byte), "seglen" (replay length) or
+        "coverage" (positions a state covers)."""
+        return self.kind if self.kind in ("seglen", "coverage") else "flops"
 
     @property
     def alpha(self) -> float:

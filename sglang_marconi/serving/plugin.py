@@ -169,7 +169,7 @@ def marconi_radix_cache_factory(ctx):
     from sglang_marconi.serving.eviction_settings import MarconiEvictionSettings
     from sglang_marconi.serving.faults import MarconiFaults
 
-    settings = MarconiEvictionSettings(profile=profile, choice=config.alpha or 0.0,
+    settings = MarconiEvictionSettings(profile=profile, choice=config.fixed_choice or 0.0,
                                        faults=MarconiFaults(group.size, group.rank))
     mixins = (admission_mixin(),) if config.admission else ()
     ctx.params.component_registry_override = {
@@ -190,8 +190,8 @@ def marconi_radix_cache_factory(ctx):
 
         name = getattr(ctx.server_args, "served_model_name", None) or ctx.server_args.model_path
         runtime.exporter = PrometheusGauges(scheduler_metric_labels(served_model_name=str(name)))
-    log.info("Marconi cache for %s: alpha=%s, admission=%s", profile.name,
-             "auto" if config.alpha is None else config.alpha, "on" if config.admission else "off")
+    log.info("Marconi cache for %s: eviction=%s, admission=%s", profile.name,
+             "auto" if config.fixed_choice is None else config.fixed_choice, "on" if config.admission else "off")
     return cache
 
 

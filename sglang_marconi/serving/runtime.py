@@ -124,7 +124,7 @@ class MarconiRuntime:
         self.sync_waits_late = 0  # sync points where the tuner's verdict was not ready in time
         self.sync_wait_s_total = 0.0  # time spent waiting for the tuner at sync points
         self.directives_applied = 0
-        self._tuning = config.alpha is None
+        self._tuning = config.fixed_choice is None
         self._sent = 0  # directives sent (the leader)
         self.adoptions: list[tuple[int, Choice]] = []  # (releases seen, choice adopted then)
         self.ranks = _parallel_ranks()  # which scheduler this is, for /server_info

@@ -482,6 +482,8 @@ def marconi_swa_radix_cache_factory(ctx, config, fallback, group=None):
     figures = SWAFigures()
     faults = MarconiFaults(group.size, group.rank) if group is not None else MarconiFaults()
     # `--marconi-alpha auto`: the runtime starts from the tuner's first choice and tunes it online
+    if config.eviction != "marconi":
+        return fallback(ctx, f"--marconi-eviction {config.eviction} thins Mamba states; {profile.name} has none")
     settings = SWASettings(profile=profile, alpha=config.alpha or 0.0, window=window, figures=figures, faults=faults)
     component = type("MarconiSWAComponent", (marconi_swa_component_class(),),
                      {"marconi_swa_settings": settings, "__module__": __name__})

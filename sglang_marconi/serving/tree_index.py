@@ -5,7 +5,9 @@ One `CandidateIndex` (policy core) per pressure:
 - Mamba pressure: nodes holding an unlocked SSM state with at most one child: a leaf is deleted
   whole, a single-child node only loses its state (its KV stays).
 Each entry holds the node's recency and its value column: FLOPs saved per byte freed
-(Marconi), or the replay length (SegLen). Who is chosen is the policy core's rule
+(Marconi), the replay length (SegLen), or the positions a state covers (`coverage`, SGLang
+#38000's rule: `policy/eviction/coverage.py`; a subtree's change re-scores its nearest stated
+ancestor, whose value is a walk of the stateless nodes below it). Who is chosen is the policy core's rule
 (`CandidateIndex.lowest`, `lowest_across`); this module only keeps the columns current.
 
 Recency under KV pressure is SGLang's `node.last_access_time` (a match stamps the whole matched
@@ -40,12 +42,17 @@ import operator
 from typing import Any, Optional
 
 from sglang_marconi.policy.candidate_index import CandidateIndex, lowest_across
+from sglang_marconi.policy.eviction.coverage import coverage_value, lowest_coverage
 from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
 
 KV, MAMBA = 0, 1  # index positions: KV pressure, Mamba pressure
 PRESSURE_NAMES = ("kv", "mamba")
 _FLOPS_MEMO_SIZE = 1 << 16
 _node_id = operator.attrgetter("id")
+
+
+def _edge_length(node) -> int:
+    return len(node.key)
 
 
 def state_time(node) -> float:
@@ -69,7 +76,7 @@ class MarconiTreeIndex:
         self.root = None
         self._dirty: set = set()
         self._struct: set = set()
-        self.seglen = False
+        self.value_kind = "flops"  # the value column: "flops", "seglen" or "coverage"
         self.rebuilds = 0
         self._clear()
 
@@ -143,10 +150,13 @@ class MarconiTreeIndex:
         self._struct = set()
         self._clear()
 
-    def use_value_column(self, seglen: bool) -> None:
-        """FLOPs per byte (False) or SegLen's replay length (True); a switch re-evaluates all."""
-        if seglen != self.seglen:
-            self.seglen = seglen
+    def use_value_column(self, kind: str) -> None:
+        """"flops" (FLOPs per byte), "seglen" (replay length) or "coverage" (positions covered); a
+        switch re-evaluates all."""
+        if kind not in ("flops", "seglen", "coverage"):
+            raise ValueError(f"value column {kind!r}: expected flops, seglen or coverage")
+        if kind != self.value_kind:
+            self.value_kind = kind
             if self.root is not None:
                 self.rebuild()
 
@@ -200,9 +210,12 @@ class MarconiTreeIndex:
             return None, None
         else:
             mamba_cand, state_bytes = False, 0
+        if self.value_kind == "coverage":
+            value = coverage_value(node, self._has_state, _edge_length)
+            return (0.0 if leaf else None), (value if mamba_cand else None)
         end = self._end(node)
         start = self._anchor_end(node)
-        if self.seglen:
+        if self.value_kind == "seglen":
             return (float(end - start) if leaf else None), (float(end - start) if mamba_cand else None)
         flops = self._flops.get((start, end))
         if flops is None:  # nodes are re-evaluated far more often than their span changes
@@ -256,8 +269,13 @@ class MarconiTreeIndex:
             return
         todo, self._dirty = self._dirty, set()
         struct, self._struct = self._struct, set()
+        coverage = self.value_kind == "coverage"
         for node in struct:
             todo.add(node)
+            if coverage:  # what a state covers reaches down to the next states: re-score it
+                above = self._stated_ancestor(node)
+                if above is not None:
+                    todo.add(above)
             if not self._alive(node):
                 continue
             skippable = self._skippable(node)
@@ -273,14 +291,24 @@ class MarconiTreeIndex:
         for node in sorted(todo, key=_node_id) if len(todo) > 1 else todo:
             self._refresh(node)
 
+    def _stated_ancestor(self, node):
+        """The nearest live ancestor of `node` holding a state (None: the root is reached)."""
+        parent = node.parent
+        while parent is not None and parent is not self.root:
+            if self._alive(parent) and self._has_state(parent):
+                return parent
+            parent = parent.parent
+        return None
+
     # -- choosing --------------------------------------------------------------------------------
     def choose(self, pressure: int, weight: float, counters=None):
         """The lowest-utility candidate for `pressure` (KV or MAMBA) with the rule's weight, or None."""
         self.flush()
         index, slots = self.indexes[pressure], self._slots[pressure]
+        by_coverage = pressure == MAMBA and self.value_kind == "coverage"
         repaired = None
         while len(index):
-            node = index.lowest(weight)
+            node = lowest_coverage(index) if by_coverage else index.lowest(weight)
             if node is repaired or self._current(pressure, node):
                 return node
             if counters is not None:

@@ -49,20 +49,35 @@ class CoverageEviction(EvictionPolicy):
         return float(1 + uncovered_below(node, stated))
 
     def choose(self, candidates: CandidateIndex):
-        n = len(candidates)
-        value = candidates.efficiency[:n]
-        ties = np.flatnonzero(value <= value.min())
-        return candidates.items[int(ties[candidates.last_access[ties].argmin()])]
+        return lowest_coverage(candidates)
 
 
-def uncovered_below(node, every_node_stated: bool = False) -> int:
-    """U(node): positions below `node` whose nearest state at or above them is `node`'s."""
+def lowest_coverage(candidates: CandidateIndex):
+    """The candidate covering the fewest positions; ties to the least recently used."""
+    n = len(candidates)
+    value = candidates.efficiency[:n]
+    ties = np.flatnonzero(value <= value.min())
+    return candidates.items[int(ties[candidates.last_access[ties].argmin()])]
+
+
+def uncovered_below(node, every_node_stated: bool = False, has_state=None, edge_length=None) -> int:
+    """U(node): positions below `node` whose nearest state at or above them is `node`'s.
+    `has_state(n)` / `edge_length(n)` read another tree's nodes (the served index reads SGLang's);
+    the defaults read the policy core's."""
+    has_state = has_state or (lambda n: n.has_state)
+    edge_length = edge_length or (lambda n: len(n.tokens))
     total, stack = 0, list(node.children.values())
     while stack:
         child = stack.pop()
-        if child.has_state or every_node_stated:
-            total += len(child.tokens) - 1
+        if every_node_stated or has_state(child):
+            total += edge_length(child) - 1
         else:
-            total += len(child.tokens)
+            total += edge_length(child)
             stack.extend(child.children.values())
     return total
+
+
+def coverage_value(node, has_state, edge_length) -> float:
+    """The rule's value of a node holding a state: the positions a request leaving the tree would
+    resume from its state (its own end and U below it)."""
+    return float(1 + uncovered_below(node, has_state=has_state, edge_length=edge_length))

@@ -18,10 +18,11 @@ attention; a tree of drafts needs a custom mask and is refused):
   (`seq_lens + i + 1` slots of the request's `req_to_token` row, where SGLang allocated the
   drafts' slots; `IntelAMXMultiStepDraftBackend` reads the same).
 
-Checked by `tests/server/test_cpu_kernels.py` (`test_target_verify_equals_an_extend_and_decode_steps`):
-a verify of k drafts gives the logits of torch_native's own extend of those k tokens, and of k
-decode steps, bitwise; and by the live tests with `--speculative-algorithm NEXTN` (outputs equal
-to the same server's without speculative decoding).
+Checked end to end against SGLang's own non-speculative path on the same engine
+(`tests/server/test_live_speculative.py`): with `--speculative-algorithm NEXTN` every output, cold
+and warm, equals the output of the same model served without speculative decoding, token for
+token and logprob for logprob (bitwise), with drafts both accepted and rejected; a wrong verify
+mask, length or draft step would change a logit.
 """
 
 from __future__ import annotations

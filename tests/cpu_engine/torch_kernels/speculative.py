@@ -5,9 +5,12 @@ draft's Mamba states (`sglang.kernels.ops.mamba.mamba_state_scatter_triton`), wh
 launches on every device.
 
 Each is a line-by-line port of SGLang's own Triton kernel (named in its docstring), written as
-Python loops over the (tiny) batch; `tests/server/test_cpu_kernels.py` runs both under the
-Triton interpreter on the same inputs. Index tensors may be int32 or int64, as SGLang passes
-them.
+Python loops over the (tiny) batch. Checked by `tests/server/test_cpu_kernels.py`: the cache-slot,
+bonus-token, tree-building and greedy-verification ops against SGLang's Triton kernels run by the
+Triton interpreter on the same inputs (`cpu_kernel_references.speculative_cases`); the state
+scatters against SGLang's own torch path for them
+(`HybridLinearAttnBackend._scatter_speculative_state_with_mask`); the KV slot copy against
+indexing. Index tensors may be int32 or int64, as SGLang passes them.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ speculative decoding, is the reference for the outputs.
 SGLang runs speculative decoding on CPU through test-only stand-ins (`tests/cpu_engine/`:
 `speculative_attention.py`, `torch_kernels/speculative.py`, the verify paths of the conv and
 delta-rule stand-ins), each checked by `test_cpu_kernels.py` against SGLang's own Triton kernels
-(the Triton interpreter) or a float64 recurrence; and here, end to end: every output equals the
-server's without speculative decoding, token for token and logprob for logprob.
+(the Triton interpreter), SGLang's own torch path or plain indexing; and here, end to end: outputs
+cold and warm equal the server's without speculative decoding, token for token and logprob for
+logprob.
 
 What the tree holds under speculative decoding (SGLang 0.5.23, Mamba hybrids): tokens, not bigrams
 (`UnifiedTreeCore.is_eagle` is off with a Mamba component); each verify commits the state of the
@@ -125,24 +126,6 @@ def test_marconi_serves_speculative_decoding(server):
         server.url)["marconi_speculative_final_states_skipped"]
 
 
-def test_outputs_equal_with_speculative_decoding_on_and_off(servers):
-    """Cold (flushed) and warm: the speculative server's outputs are the plain server's, bitwise;
-    and the drafts were both accepted and rejected (else the comparison proves little)."""
-    speculative, plain = servers
-    flush_cache(speculative.url)
-    histograms = []
-    system = tokens(20, 100)
-    for i in range(2):
-        prompt = system + tokens(21 + i, 20)
-        spec = generate(speculative.url, prompt, max_new_tokens=12)
-        ref = generate(plain.url, prompt, max_new_tokens=12)
-        assert ref.histogram is None
-        assert (spec.output_ids, spec.logprobs) == (ref.output_ids, ref.logprobs), i
-        histograms.append(spec.histogram)
-    assert any(h[0] for h in histograms), histograms  # verifies that accepted no draft
-    assert any(sum(h[1:]) for h in histograms), histograms  # and some that accepted drafts
-
-
 def test_shared_system_prompt_hits_from_the_third_request(server):
     flush_cache(server.url)
     system = tokens(2, 150)
@@ -156,7 +139,7 @@ def test_multi_turn_chat_reuses_the_previous_turn(server):
     prompt = tokens(1, 90)
     full_turn_hits = 0
     previous = None
-    for turn in range(4):
+    for turn in range(3):
         g = generate(server.url, prompt, max_new_tokens=10)
         if previous is not None:
             assert g.cached_tokens >= reusable(previous) > 0, (turn, previous.histogram, g.cached_tokens)
@@ -169,12 +152,12 @@ def test_multi_turn_chat_reuses_the_previous_turn(server):
 def test_long_prompts_leave_at_most_two_states_each(server):
     flush_cache(server.url)
     before = marconi_figures(server.url)
-    prompts = [tokens(3, 5 * CHUNK)]  # five prefill chunks: upstream's admission would keep five states
-    prompts.append(prompts[0][: 2 * CHUNK + 40] + tokens(4, 3 * CHUNK))  # branches inside the third chunk
-    prompts.append(prompts[0][: 2 * CHUNK + 40] + tokens(5, 3 * CHUNK))
+    prompts = [tokens(3, 3 * CHUNK)]  # three prefill chunks: upstream's admission would keep three states
+    prompts.append(prompts[0][: CHUNK + 40] + tokens(4, 2 * CHUNK))  # branches inside the second chunk
+    prompts.append(prompts[0][: CHUNK + 40] + tokens(5, 2 * CHUNK))
     for prompt in prompts:
         figures = marconi_figures(server.url)
-        generate(server.url, prompt, max_new_tokens=6)
+        generate(server.url, prompt, max_new_tokens=4)
         after = marconi_figures(server.url)
         assert after["marconi_ssm_states_admitted"] - figures["marconi_ssm_states_admitted"] <= 2
         probationary = (after["marconi_probationary_states_admitted"]
@@ -192,20 +175,26 @@ def test_warm_responses_equal_cold_ones_and_the_plain_servers(servers):
     system = tokens(6, 140)
     warm = []
     prompt = system + tokens(7, 30)
-    for turn in range(3):  # multi-turn reuse, then branches off the shared system prompt
-        warm.append(generate(speculative.url, prompt, max_new_tokens=12))
+    for turn in range(2):  # multi-turn reuse, then branches off the shared system prompt
+        warm.append(generate(speculative.url, prompt, max_new_tokens=8))
         prompt = prompt + warm[-1].output_ids + tokens(300 + turn, 20)
-    warm += [generate(speculative.url, system + tokens(400 + i, 30), max_new_tokens=12) for i in range(3)]
+    warm += [generate(speculative.url, system + tokens(400 + i, 30), max_new_tokens=8) for i in range(2)]
     hits = [g for g in warm if g.cached_tokens > 0]
-    assert len(hits) >= 3, [g.cached_tokens for g in warm]
+    assert len(hits) >= 2, [g.cached_tokens for g in warm]
     for g in hits:
         flush_cache(speculative.url)
-        cold = generate(speculative.url, g.input_ids, max_new_tokens=12)
+        cold = generate(speculative.url, g.input_ids, max_new_tokens=8)
         assert cold.cached_tokens == 0
         assert (cold.output_ids, cold.logprobs) == (g.output_ids, g.logprobs)
-    for g in hits[:2]:
-        ref = generate(plain.url, g.input_ids, max_new_tokens=12)
+    # With speculative decoding on and off: the plain server's outputs, bitwise, for a request
+    # served cold (the first) and one served warm.
+    for g in (warm[0], hits[0]):
+        ref = generate(plain.url, g.input_ids, max_new_tokens=8)
+        assert ref.histogram is None  # no speculative decoding there
         assert (ref.output_ids, ref.logprobs) == (g.output_ids, g.logprobs)
+    histograms = [g.histogram for g in warm]
+    assert any(h[0] for h in histograms), histograms  # verifies that accepted no draft
+    assert any(sum(h[1:]) for h in histograms), histograms  # and some that accepted drafts
     assert len({tuple(g.output_ids) for g in warm}) == len(warm)  # the check can fail
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 from sglang_marconi.serving.cache_state import walk_of
+from sglang_marconi.serving.runtime import speculative_skip
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,7 +76,8 @@ def marconi_cache_class():
             super().on_release(req, checkpointed=checkpointed)
             self._update_marconi_index()
             runtime = self.marconi_runtime
-            if runtime is not None and checkpointed:
+            if runtime is not None and (checkpointed or (runtime.speculative and speculative_skip(req))):
+                # a request SGLang kept out of the tree under speculative decoding still counts
                 runtime.on_release(req)
 
         def reset(self):

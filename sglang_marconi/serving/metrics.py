@@ -62,6 +62,8 @@ GAUGES = {
     "marconi_directives_applied": "Directives of the group's leader (choice switches, stop tuning) applied on this rank.",
     "marconi_faults_recovered": "Faults in Marconi's eviction index recovered by rebuilding it from the tree.",
     "marconi_rank_local_failures": "Rank-local Marconi features (tuning, metrics) stopped by a failure on this rank.",
+    "marconi_speculative_num_draft_tokens": "Draft tokens per verify of speculative decoding (0: off); /server_info names the algorithm (marconi_speculative).",
+    "marconi_speculative_final_states_skipped": "Finished requests SGLang left out of the tree (KV and state): their last verify accepted tokens past the stop, so their state covers tokens no request sends again (speculative decoding).",
 }
 # The gauges of a sliding-window (SWA) cache (`swa_runtime.SWARuntime.metrics`): the SSM ones that
 # apply, and what its window eviction does.

@@ -23,8 +23,13 @@ runtime and no tuner process, logs one warning naming the flag, and `/server_inf
   any `--radix-cache-backend`; kept here in case that check moves);
 - `--radix-eviction-policy` other than `lru`: an explicit choice of upstream's victim order,
   which Marconi's own eviction would override;
-- `--speculative-algorithm` EAGLE / NEXTN (`params.is_eagle`): bigram tree keys and draft Mamba
-  states, against which admission and the eviction index have not been verified.
+- `--speculative-algorithm` EAGLE / NEXTN (`params.is_eagle`) on a model without SSM layers: SGLang
+  keys that tree by bigrams, on which Marconi's window rules are not verified. With SSM layers
+  speculative decoding is served: SGLang keys the tree by tokens there (`UnifiedTreeCore.is_eagle`
+  is off with a Mamba component) and commits only the accepted draft step's state into the
+  request's slot, so admission and eviction apply unchanged; a finished request whose last verify
+  accepted tokens past its stop is kept out of the tree by SGLang and counted by the runtime
+  (`runtime.speculative_skip`).
 `--enable-unified-memory` is served: full KV and Mamba states share one byte buffer, the shadow
 tuner models that one budget (`runtime.shadow_budget`), and a shortfall of Mamba bytes picks its
 victim across both kinds, KV leaves and SSM states, by FLOPs saved per byte (`unified_memory.py`;
@@ -101,10 +106,11 @@ def upstream_only_flags(ctx) -> list[str]:
     if getattr(ctx.params, "enable_session_radix_cache", False):
         flags.append("--enable-session-radix-cache")
     flags += [flag for flag, name in _MEMORY_FLAGS if _memory_flag(ctx, name)]
-    if getattr(ctx.params, "is_eagle", False):
-        # EAGLE / NEXTN key the tree by bigrams and track draft Mamba states: admission and the
-        # eviction index are not verified there (no CPU build to test them on).
-        flags.append("--speculative-algorithm EAGLE/NEXTN")
+    if getattr(ctx.params, "is_eagle", False) and not ctx.is_hybrid_ssm:
+        # EAGLE / NEXTN key a tree without a Mamba component by bigrams (`UnifiedTreeCore.is_eagle`):
+        # Marconi's SWA window rules are not verified on bigram keys. With SSM layers SGLang keys
+        # the tree by tokens and commits the accepted draft step's state: served.
+        flags.append("--speculative-algorithm EAGLE/NEXTN (no SSM layers: bigram tree keys)")
     policy = (getattr(ctx.params, "eviction_policy", None) or "lru").lower()
     if policy != "lru":
         flags.append(f"--radix-eviction-policy {policy}")

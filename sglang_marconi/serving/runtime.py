@@ -50,6 +50,9 @@ class ServingFigures:
     blocked_tokens: int = 0  # full-KV hit beyond the reusable prefix: no SSM state there
     evicted_tokens: int = 0
     evicted_states: int = 0
+    # Speculative decoding: finished requests whose last verify accepted tokens past their stop, so
+    # the state in their slot covers tokens nobody will send again: SGLang caches none of them.
+    speculative_final_states_skipped: int = 0
 
 
 class InlineShadowTuner:
@@ -128,6 +131,7 @@ class MarconiRuntime:
         self._sent = 0  # directives sent (the leader)
         self.adoptions: list[tuple[int, Choice]] = []  # (releases seen, choice adopted then)
         self.ranks = _parallel_ranks()  # which scheduler this is, for /server_info
+        self.speculative = speculative_settings()  # (algorithm, draft tokens) or None
         self.channel = LocalChannel(self.apply) if self.group.single else GroupChannel(self.apply)
         self.faults.on_fall_back = self._on_fall_back
         if self._tuning:
@@ -188,8 +192,9 @@ class MarconiRuntime:
         self.figures.evicted_states += states
 
     def on_release(self, req) -> None:
-        """A request released into the tree. Its prefix whose prefill was skipped is what SGLang
-        reports (`req.cached_tokens`)."""
+        """A request released into the tree (or, under speculative decoding, a finished request
+        SGLang kept out of it: `speculative_skip`). Its prefix whose prefill was skipped is what
+        SGLang reports (`req.cached_tokens`)."""
         self.report("on_release", self._account, req)
         self._feed_tuner(req)
         self.released += 1
@@ -204,6 +209,8 @@ class MarconiRuntime:
         full_kv_hit = state.full_kv_hit if state is not None else 0
         f = self.figures
         f.requests += 1
+        if self.speculative and speculative_skip(req):
+            f.speculative_final_states_skipped += 1
         f.input_tokens += n
         f.hit_tokens += hit
         f.blocked_tokens += max(0, min(full_kv_hit, n - 1) - hit)
@@ -360,6 +367,9 @@ class MarconiRuntime:
             "marconi_two_pass_splits": two_pass.splits + two_pass.continuation_splits,
             "marconi_two_pass_skipped": two_pass.skipped_other_chunked + two_pass.skipped_unaligned,
             "marconi_two_pass_deferred": two_pass.deferred_second_chunked,
+            "marconi_speculative": self.speculative[0] if self.speculative else None,
+            "marconi_speculative_num_draft_tokens": self.speculative[1] if self.speculative else 0,
+            "marconi_speculative_final_states_skipped": f.speculative_final_states_skipped,
         }
 
     def close(self) -> None:
@@ -385,6 +395,29 @@ def _parallel_ranks() -> dict:
     except Exception:  # noqa: BLE001 - no server context: nothing to label
         return {}
     return {k: v for k, v in ranks.items() if isinstance(v, int)}
+
+
+def speculative_settings():
+    """(algorithm, draft tokens per verify) of this server's speculative decoding (SGLang's
+    runtime context), or None without it (or outside a server)."""
+    try:
+        from sglang.srt.runtime_context import get_spec
+
+        spec = get_spec()
+        algorithm = spec.speculative_algorithm
+    except Exception:  # noqa: BLE001 - no server context
+        return None
+    if not algorithm:
+        return None
+    return str(algorithm).upper(), int(spec.speculative_num_draft_tokens or 0)
+
+
+def speculative_skip(req) -> bool:
+    """A finished request SGLang keeps out of the tree under speculative decoding: its last verify
+    accepted a run of tokens past the stop (`owned_kv_len() < kv_committed_len`, SGLang's
+    `_mamba_can_cache_finished_req`), so the state in its slot, which cannot be shortened, covers
+    tokens the client never sees. Neither SGLang nor Marconi caches any of it."""
+    return bool(getattr(req, "skip_radix_cache_insert", False)) and req.finished()
 
 
 def _states_in_tree(cache) -> int:

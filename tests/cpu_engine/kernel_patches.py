@@ -49,6 +49,9 @@ def _cpu_device_module(torch_module):
             return torch_module.cpu
         return original(device)
 
+    # torch.compile's tracer keys a handler on `torch.get_device_module.__wrapped__` (the
+    # function under torch's decorator); keep that name pointing where it did.
+    get_device_module.__wrapped__ = getattr(original, "__wrapped__", original)
     torch_module.get_device_module = get_device_module
 
 
@@ -79,6 +82,11 @@ PATCHES = {
     "sglang.kernels.ops.attention.fla.fused_norm_gate": replace(rms_norm_gated="norms.rms_norm_gated"),
     "sglang.kernels.ops.elementwise.elementwise": replace(
         _launch_fused_gate_sigmoid_mul="norms.fused_gate_sigmoid_mul"),
+    # Speculative decoding: committing the accepted draft step's Mamba states after verification.
+    "sglang.kernels.ops.mamba.mamba_state_scatter_triton": replace(
+        fused_mamba_state_scatter_with_mask="speculative.fused_mamba_state_scatter_with_mask",
+        fused_conv_window_scatter_with_mask="speculative.fused_conv_window_scatter_with_mask",
+        fused_conv_window_scatter_multi="speculative.fused_conv_window_scatter_multi"),
 }
 
 

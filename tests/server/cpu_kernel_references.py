@@ -160,6 +160,25 @@ def conv_cases() -> None:
         compare(case, decode, run_update, causal_conv1d_triton.causal_conv1d_update, stand_in,
                 _bump("conv_state", 2))
 
+    # Speculative verify: a chain of 4 draft tokens per request ([batch, dim, steps]), the window
+    # after every step saved to the verify's scratch rows (SGLang commits the accepted one).
+    steps = 4
+    verify = dict(x=torch.randn(3, dim, steps).to(ACT), conv_state=prefill["conv_states"],
+                  weight=prefill["weight"], bias=prefill["bias"],
+                  conv_state_indices=torch.tensor([2, 4, 0], dtype=torch.int32),
+                  intermediate_conv_window=torch.zeros(3, steps, dim, width - 1).to(ACT),
+                  intermediate_state_indices=torch.tensor([1, 2, 0], dtype=torch.int32))
+
+    def run_verify(kernel, i):
+        out = kernel(i["x"], i["conv_state"], i["weight"], i["bias"], "silu",
+                     conv_state_indices=i["conv_state_indices"],
+                     intermediate_conv_window=i["intermediate_conv_window"],
+                     intermediate_state_indices=i["intermediate_state_indices"])
+        return {"out": out, "conv_state": i["conv_state"], "intermediate_conv_window": i["intermediate_conv_window"]}
+
+    compare("conv1d_update_verify", verify, run_verify, causal_conv1d_triton.causal_conv1d_update,
+            conv1d.causal_conv1d_update, _bump("x", (0, slice(None), 1)))
+
 
 # ---- Mamba2 SSD scan (Nemotron-H) ----
 
@@ -275,6 +294,31 @@ def gdn_cases() -> None:
     compare("gdn_decode_cpu_op", decode, run_decode, fused_sigmoid_gating_delta_rule_update,
             torch.ops.sgl_kernel.fused_sigmoid_gating_delta_rule_update_cpu, _bump("initial_state_source", 1))
 
+    # Speculative verify (SGLang's target_verify): 4 draft tokens per request, the pool untouched
+    # (disable_state_update), the state after every step in the verify's scratch rows.
+    steps, T = 4, 4 * batch
+    verify = dict(A_log=A_log, dt_bias=dt_bias, q=torch.randn(1, T, H, K).to(ACT),
+                  k=torch.randn(1, T, H, K).to(ACT), v=torch.randn(1, T, HV, V).to(ACT),
+                  a=torch.randn(T, HV).to(ACT), b=torch.randn(T, HV).to(ACT),
+                  initial_state_source=torch.randn(4, HV, V, K) * 0.5,
+                  initial_state_indices=torch.tensor([1, 0, 3]),
+                  cu_seqlens=torch.arange(0, T + 1, steps, dtype=torch.int32),
+                  intermediate_states_buffer=torch.zeros(batch, steps, HV, V, K),
+                  intermediate_state_indices=torch.tensor([2, 0, 1], dtype=torch.int32))
+
+    def run_verify(kernel, i):
+        out = kernel(A_log=i["A_log"], dt_bias=i["dt_bias"], q=i["q"], k=i["k"], v=i["v"], a=i["a"], b=i["b"],
+                     initial_state_source=i["initial_state_source"],
+                     initial_state_indices=i["initial_state_indices"], cu_seqlens=i["cu_seqlens"],
+                     use_qk_l2norm_in_kernel=True, softplus_beta=1.0, softplus_threshold=20.0,
+                     disable_state_update=True, intermediate_states_buffer=i["intermediate_states_buffer"],
+                     intermediate_state_indices=i["intermediate_state_indices"], cache_steps=steps)
+        return {"out": out, "initial_state_source": i["initial_state_source"],
+                "intermediate_states_buffer": i["intermediate_states_buffer"]}
+
+    compare("gdn_verify", verify, run_verify, fused_sigmoid_gating_delta_rule_update,
+            gated_delta_rule.fused_sigmoid_gating_delta_rule_update, _bump("initial_state_source", 1))
+
 
 # ---- elementwise: gated RMSNorm, shared-expert gate; KV slot table ----
 
@@ -327,8 +371,114 @@ def elementwise_cases() -> None:
             _bump("out_cache_loc", slice(None), 1))
 
 
+# ---- speculative decoding's bookkeeping (EAGLE / NEXTN) ----
+
+def speculative_cases() -> None:
+    from sglang.kernels.ops.speculative.cache_locs import assign_draft_cache_locs_contiguous, assign_extend_cache_locs
+    from sglang.kernels.ops.speculative.eagle import fill_accept_out_cache_loc, fill_bonus_tokens
+    from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton, verify_tree_greedy_triton
+
+    from torch_kernels import speculative
+
+    pool_len = 64
+    slots = dict(req_pool_indices=torch.tensor([2, 0, 3]), req_to_token=torch.randperm(4 * pool_len).reshape(4, pool_len),
+                 seq_lens=torch.tensor([5, 17, 40]), out_cache_loc=torch.full((3 * 4,), -1))
+
+    def run_draft_locs(kernel, i):
+        kernel(i["req_pool_indices"], i["req_to_token"], i["seq_lens"], i["out_cache_loc"])
+        return {"out_cache_loc": i["out_cache_loc"]}
+
+    def triton_draft_locs(req_pool_indices, req_to_token, seq_lens, out_cache_loc):
+        assign_draft_cache_locs_contiguous[(3,)](req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, 1, 4,
+                                                 BS=3)
+
+    def cpu_draft_locs(req_pool_indices, req_to_token, seq_lens, out_cache_loc):
+        speculative.assign_draft_cache_locs_contiguous_cpu(req_pool_indices, req_to_token, seq_lens, out_cache_loc,
+                                                           pool_len, 1, 4)
+
+    compare("spec_assign_draft_cache_locs", slots, run_draft_locs, triton_draft_locs, cpu_draft_locs,
+            _bump("seq_lens", 1, 1))
+
+    extend = dict(req_pool_indices=torch.tensor([2, 0, 3]), req_to_token=slots["req_to_token"],
+                  start_offset=torch.tensor([5, 17, 40]), end_offset=torch.tensor([7, 21, 41]),
+                  out_cache_loc=torch.full((7,), -1))
+
+    def run_extend_locs(kernel, i):
+        kernel(i["req_pool_indices"], i["req_to_token"], i["start_offset"], i["end_offset"], i["out_cache_loc"])
+        return {"out_cache_loc": i["out_cache_loc"]}
+
+    def triton_extend_locs(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc):
+        assign_extend_cache_locs[(3,)](req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+                                       pool_len, 4)
+
+    def cpu_extend_locs(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc):
+        speculative.assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
+                                                 out_cache_loc, pool_len)
+
+    compare("spec_assign_extend_cache_locs", extend, run_extend_locs, triton_extend_locs, cpu_extend_locs,
+            _bump("start_offset", 0, 1))
+
+    accept = dict(accept_tokens=torch.randint(2, 500, (3, 4)), accept_lens=torch.tensor([1, 4, 2]),
+                  bonus=torch.zeros(3, dtype=torch.int64))
+
+    def run_bonus(kernel, i):
+        kernel(i["accept_tokens"], i["accept_lens"], i["bonus"], 4)
+        return {"bonus": i["bonus"]}
+
+    compare("spec_fill_bonus_tokens", accept, run_bonus, lambda *a: fill_bonus_tokens[(3,)](*a),
+            speculative.fill_bonus_tokens_cpu, _bump("accept_lens", 0, 1))
+
+    index = dict(accept_index=torch.tensor([0, -1, -1, -1, 4, 5, 6, 7, 8, 9, -1, -1]),
+                 out_cache_loc=torch.randperm(100)[:12], accept_out=torch.full((12,), -1))
+
+    def run_accept_locs(kernel, i):
+        kernel(i["accept_index"], i["out_cache_loc"], i["accept_out"])
+        return {"accept_out": i["accept_out"]}
+
+    compare("spec_fill_accept_out_cache_loc", index, run_accept_locs,
+            lambda *a: fill_accept_out_cache_loc[(12,)](*a, 16), speculative.fill_accept_out_cache_loc_cpu,
+            _bump("accept_index", 4, 2))
+
+    # A chain of 3 drafts (topk 1, NEXTN's) for two requests, and a topk-2 tree for a third.
+    n, bs = 4, 2
+    seq = torch.tensor([7, 12])
+    tree = dict(parent_list=torch.tensor([[-1, 0, 1], [-1, 0, 1]]), selected_index=torch.tensor([[0, 1, 2], [0, 1, 2]]),
+                verified_seq_len=seq, tree_mask=torch.ones(int(((seq + n) * n).sum()) + 16, dtype=torch.bool),  # room for the perturbed run
+                positions=torch.zeros(bs * n, dtype=torch.int64),
+                retrieve_index=torch.full((bs, n), -1), retrieve_next_token=torch.full((bs, n), -1),
+                retrieve_next_sibling=torch.full((bs, n), -1))
+
+    def run_tree(kernel, i):
+        kernel(i["parent_list"], i["selected_index"], i["verified_seq_len"], i["tree_mask"], i["positions"],
+               i["retrieve_index"], i["retrieve_next_token"], i["retrieve_next_sibling"], 1, 3, n, 0)
+        return {k: i[k] for k in ("tree_mask", "positions", "retrieve_index", "retrieve_next_token",
+                                  "retrieve_next_sibling")}
+
+    compare("spec_build_tree", tree, run_tree, sgl_build_tree_kernel_triton,
+            speculative.build_tree_kernel_efficient_cpu, _bump("verified_seq_len", 1, 1))
+
+    # Greedy verification: request 0 rejects the first draft, 1 accepts all three, 2 (a tree:
+    # the root's children 1 and 2 are siblings) accepts its second child, then its grandchild.
+    verify = dict(
+        predicts=torch.zeros(12, dtype=torch.int32), accept_index=torch.full((3, 4), -1, dtype=torch.int32),
+        accept_token_num=torch.zeros(3, dtype=torch.int32),
+        candidates=torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]]),
+        retrieve_index=torch.arange(12).reshape(3, 4),
+        retrieve_next_token=torch.tensor([[1, 2, 3, -1], [1, 2, 3, -1], [1, -1, 3, -1]]),
+        retrieve_next_sibling=torch.tensor([[-1, -1, -1, -1], [-1, -1, -1, -1], [-1, 2, -1, -1]]),
+        target_predict=torch.tensor([99, 12, 13, 50, 21, 22, 23, 24, 32, 0, 33, 34]))
+
+    def run_verify(kernel, i):
+        kernel(i["predicts"], i["accept_index"], i["accept_token_num"], i["candidates"], i["retrieve_index"],
+               i["retrieve_next_token"], i["retrieve_next_sibling"], i["target_predict"])
+        return {k: i[k] for k in ("predicts", "accept_index", "accept_token_num")}
+
+    compare("spec_verify_tree_greedy", verify, run_verify, verify_tree_greedy_triton,
+            speculative.verify_tree_greedy_cpu, _bump("target_predict", 0, -88))
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
-    for cases in (conv_cases, mamba2_cases, gdn_cases, elementwise_cases):
+    for cases in (conv_cases, mamba2_cases, gdn_cases, elementwise_cases, speculative_cases):
         cases()
     print(json.dumps(RESULTS))

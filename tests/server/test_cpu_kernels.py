@@ -68,6 +68,9 @@ CASES = [
     "gdn_gating_float32", "gdn_gating_bfloat16", "gdn_prefill_cpu_op", "gdn_decode_cpu_op",
     "rms_norm_gated_swish", "rms_norm_gated_sigmoid", "rms_norm_gated_residual",
     "gate_sigmoid_mul_add0", "gate_sigmoid_mul_add1", "assign_req_to_token_pool_cpu_op",
+    # speculative decoding (NEXTN / EAGLE): verify's per-step states, and the bookkeeping ops
+    "conv1d_update_verify", "gdn_verify", "spec_assign_draft_cache_locs", "spec_assign_extend_cache_locs",
+    "spec_fill_bonus_tokens", "spec_fill_accept_out_cache_loc", "spec_build_tree", "spec_verify_tree_greedy",
 ]
 
 
@@ -104,7 +107,11 @@ from sglang.kernels.ops.mamba.triton_ops import mamba_ssm
 from sglang.kernels.ops.attention.fla import fused_norm_gate
 from sglang.kernels.ops.elementwise import elementwise
 from sglang.srt.layers.attention.linear import gdn_backend
+from sglang.kernels.ops.mamba import mamba_state_scatter_triton as scatter
 bound = {name: f.__module__ for name, f in {
+    "scatter.fused_mamba_state_scatter_with_mask": scatter.fused_mamba_state_scatter_with_mask,
+    "scatter.fused_conv_window_scatter_with_mask": scatter.fused_conv_window_scatter_with_mask,
+    "scatter.fused_conv_window_scatter_multi": scatter.fused_conv_window_scatter_multi,
     "mamba.causal_conv1d_fn_triton": mamba.causal_conv1d_fn_triton,
     "mamba.causal_conv1d_update_triton": mamba.causal_conv1d_update_triton,
     "mamba.causal_conv1d_fn": mamba.causal_conv1d_fn,
@@ -119,14 +126,14 @@ bound = {name: f.__module__ for name, f in {
 bound["device_module"] = torch.get_device_module().__name__
 import sgl_kernel
 try:
-    sgl_kernel.verify_tree_greedy_cpu()
+    sgl_kernel.rotate_input_ids_cpu()
 except NotImplementedError as error:
     bound["stub_error"] = str(error)
 print(json.dumps(bound))
 """
     bound = _run_python(code, {"SGLANG_USE_CPU_ENGINE": "1"})
     assert bound.pop("device_module") == "torch.cpu"
-    assert "verify_tree_greedy_cpu" in bound.pop("stub_error")  # unported ops import, and name themselves
+    assert "rotate_input_ids_cpu" in bound.pop("stub_error")  # unported ops import, and name themselves
     assert bound["gdn_backend.causal_conv1d_fn"] == "sgl_kernel.mamba"
     assert bound.pop("gdn_backend.fused_gdn_gating") == "sgl_kernel.mamba"
     assert all(module.startswith("torch_kernels.") for name, module in bound.items()
@@ -400,6 +407,73 @@ def test_gdn_varlen_batch_equals_each_sequence_alone():
         start += length
     _assert_same((batched, alone))
     assert torch.equal(batched[1], pool[1]) and not torch.equal(batched[2], pool[2])
+
+
+# ---------------------------------------------------------------- speculative decoding's commits
+
+def _speculative_stand_ins():
+    sys.path.insert(0, str(CPU_ENGINE))
+    try:
+        from torch_kernels import speculative
+    finally:
+        sys.path.remove(str(CPU_ENGINE))
+    return speculative
+
+
+def test_verified_state_scatters_match_sglangs_torch_path():
+    """Committing the accepted draft step's states after a verify: the stand-ins of SGLang's
+    Triton scatters against SGLang's own torch path for the same scatter
+    (`HybridLinearAttnBackend._scatter_speculative_state_with_mask`, which it runs off CUDA), on
+    SSM states, on conv windows read through an overlapping strided view (as SGLang keeps them),
+    with steps of -1 (nothing to commit), out-of-range rows, and the track slots' second set."""
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+
+    reference = HybridLinearAttnBackend._scatter_speculative_state_with_mask
+    speculative = _speculative_stand_ins()
+    g = torch.Generator().manual_seed(3)
+    layers, slots, rows, steps = 2, 6, 4, 4
+    dst_rows = torch.tensor([3, 0, 5, 9], dtype=torch.int32)  # 9: out of range, skipped
+    step_rows = torch.tensor([2, -1, 0, 1], dtype=torch.int32)  # -1: nothing to commit
+    src_rows = torch.tensor([1, 0, 3, 2], dtype=torch.int32)
+    ssm_dst = torch.randn(layers, slots, 3, 5, generator=g)
+    ssm_src = torch.randn(layers, rows, steps, 3, 5, generator=g)
+    for src_indices in (None, src_rows):
+        want, got = ssm_dst.clone(), ssm_dst.clone()
+        reference(want, ssm_src, dst_rows, step_rows, src_indices)
+        speculative.fused_mamba_state_scatter_with_mask(got, ssm_src, dst_rows, step_rows, src_indices)
+        assert torch.equal(got, want) and not torch.equal(want, ssm_dst)
+    dim, width = 6, 4
+    inputs = torch.randn(layers, rows, dim, steps + width - 1, generator=g)
+    windows = inputs.unfold(3, width - 1, 1)[..., 1:steps + 1, :].permute(0, 1, 3, 2, 4)  # [L, rows, steps, dim, w-1]
+    assert windows.untyped_storage().data_ptr() == inputs.untyped_storage().data_ptr()  # a view: windows overlap
+    conv_dst = torch.randn(layers, slots, dim, width - 1, generator=g)
+    want, got = conv_dst.clone(), conv_dst.clone()
+    reference(want, windows, dst_rows, step_rows)
+    speculative.fused_conv_window_scatter_with_mask(got, windows, dst_rows, step_rows)
+    assert torch.equal(got, want) and not torch.equal(want, conv_dst)
+    track_rows, track_steps = torch.tensor([4, 1, 2, 0], dtype=torch.int32), torch.tensor([-1, 3, -1, 0], dtype=torch.int32)
+    want, got = conv_dst.clone(), conv_dst.clone()
+    reference(want, windows, dst_rows, step_rows)
+    reference(want, windows, track_rows, track_steps)
+    speculative.fused_conv_window_scatter_multi([(got, windows)], dst_rows, step_rows, track_rows, track_steps)
+    assert torch.equal(got, want)
+
+
+def test_kv_slot_copy_matches_indexing():
+    """`copy_all_layer_kv_cache_cpu` (moving accepted drafts' KV to their final slots): every
+    buffer's rows `tgt` take rows `src` as they were before the copy, as indexing does."""
+    speculative = _speculative_stand_ins()
+    g = torch.Generator().manual_seed(4)
+    buffers = [torch.randn(12, 2, 3, generator=g), torch.randn(12, 5, generator=g).to(torch.bfloat16)]
+    want = [b.clone() for b in buffers]
+    src, tgt = torch.tensor([3, 4, 5, 9]), torch.tensor([4, 5, 6, 1])  # overlapping: read before written
+    for w in want:
+        w[tgt] = w[src].clone()
+    ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64)
+    strides = torch.tensor([b[0].numel() * b.element_size() for b in buffers], dtype=torch.int64)
+    speculative.copy_all_layer_kv_cache_cpu(ptrs, strides, tgt, src)
+    for b, w in zip(buffers, want):
+        assert torch.equal(b, w)
 
 
 # ---------------------------------------------------------------- tensor parallelism (--tp-size 2)

@@ -6,6 +6,14 @@ Kinds (`write_tiny_model(kind, out_dir)`):
 - `mamba2`: Nemotron-H (2 Mamba2 layers, 1 attention layer, 1 MLP), in the legacy config keys
   (`hybrid_override_pattern`, `mamba_n_groups`) SGLang 0.5.23's config class reads;
 - `dense`: Llama (attention only), for the "no SSM layers, upstream's cache" path;
+- `gated-delta-mtp`: `gated-delta` with Qwen3-Next's MTP module (`mtp.*`: the draft layer that
+  `--speculative-algorithm NEXTN` serves). A random draft layer would almost never guess the
+  target's next token, so both are built to agree about half the time: every layer's output
+  projection is scaled by `MTP_LAYER_SCALE`, which leaves the target's greedy choice mostly a
+  function of the last token (logits ~ lm_head(norm(embed(token)))), and the MTP layer's `fc`
+  passes the next token's normed embedding through, so its prediction is that same function of
+  the token it is given. The layers still move every logit (a prefix hit must restore their
+  states exactly), and drafts are both accepted and rejected (measured: about half);
 - `sliding-window`: Mellum (Qwen3-MoE family with interleaved sliding-window / full attention: 3
   sliding-window layers with a `SLIDING_WINDOW`-token window, 1 global layer), one of the SWA
   hybrids SGLang serves through its SWA cache component (no SSM layers). Dense MLPs only: with
@@ -31,14 +39,19 @@ from pathlib import Path
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<|endoftext|>", "<unk>")
 EOS = "<|endoftext|>"
-KINDS = ("gated-delta", "mamba2", "dense", "sliding-window")
+KINDS = ("gated-delta", "mamba2", "dense", "sliding-window", "gated-delta-mtp")
 # Small enough that a few hundred tokens of prompt cross it many times (the SWA tests need hits
 # whose window is partly evicted, and prompts longer than the window).
 SLIDING_WINDOW = 32
+# gated-delta-mtp: the layers' share of the residual stream (see the module docstring). At 1/300
+# (0.003) the target's greedy token equals the embedding-only guess about half the time
+# (HF transformers, float32: 0.01 -> 14%, 0.003 -> 53%, 0.001 -> 84%).
+MTP_LAYER_SCALE = 0.003
+_OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "down_proj")
 # Directory names: neutral, so SGLang's frontend picks its "default" chat template
 # (SYSTEM: / USER: / ASSISTANT:) rather than one keyed on a model family in the path.
 DIR_NAMES = {"gated-delta": "tiny-gated-delta-hybrid", "mamba2": "tiny-mamba2-hybrid", "dense": "tiny-dense",
-             "sliding-window": "tiny-sliding-window-hybrid"}
+             "sliding-window": "tiny-sliding-window-hybrid", "gated-delta-mtp": "tiny-gated-delta-mtp-hybrid"}
 
 _CORPUS = """
 SYSTEM USER ASSISTANT : , . ? ! ; ( ) - + = / * # 0 1 2 3 4 5 6 7 8 9 10 11 12 16 20 32 64 100 128 256 512 1000
@@ -107,7 +120,7 @@ def _hf_config(kind: str, eos_id: int) -> dict:
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, max_position_embeddings=131072, bos_token_id=eos_id,
                   eos_token_id=eos_id, pad_token_id=eos_id, tie_word_embeddings=False, torch_dtype="bfloat16",
                   initializer_range=0.5, rms_norm_eps=1e-6)
-    if kind == "gated-delta":
+    if kind in ("gated-delta", "gated-delta-mtp"):
         return dict(common, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", intermediate_size=128,
                     num_hidden_layers=4, full_attention_interval=4, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=16, partial_rotary_factor=0.5, hidden_act="silu", rope_theta=10000.0,
@@ -157,6 +170,53 @@ def _transformers_config(kind: str, config: dict):
     return AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
 
 
+def _scale_layer_outputs(model) -> None:
+    """Scale every decoder layer's output projections by MTP_LAYER_SCALE (in place)."""
+    for name, param in model.named_parameters():
+        if any(part in name for part in _OUTPUT_PROJECTIONS):
+            param.mul_(MTP_LAYER_SCALE)
+
+
+def _add_mtp_layer(out_dir: Path, config: dict, seed: int) -> None:
+    """Qwen3-Next's MTP module, in its checkpoint names (`mtp.*`, what SGLang's
+    `Qwen3NextForCausalLMMTP` loads for `--speculative-algorithm NEXTN`): `fc` over the normed
+    next-token embedding and target hidden state, one gated-attention + MoE decoder layer, a final
+    norm; embeddings and LM head are the target's."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed + 1)
+    one_layer = dict(config, num_hidden_layers=1, full_attention_interval=1)
+    layer = AutoModelForCausalLM.from_config(_transformers_config("gated-delta", one_layer), dtype=torch.bfloat16)
+    with torch.no_grad():
+        _scale_layer_outputs(layer)
+    weights_path = out_dir / "model.safetensors"
+    weights = load_file(weights_path)
+    for name, tensor in layer.state_dict().items():
+        if not (name.startswith("model.layers.0.") or name == "model.norm.weight"):
+            continue
+        name = "mtp." + name.removeprefix("model.")
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' fused experts -> checkpoint names
+            base, half = name.removesuffix("gate_up_proj"), tensor.shape[1] // 2
+            for e, fused in enumerate(tensor):
+                weights[f"{base}{e}.gate_proj.weight"] = fused[:half].contiguous()
+                weights[f"{base}{e}.up_proj.weight"] = fused[half:].contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e, down in enumerate(tensor):
+                weights[f"{base}{e}.down_proj.weight"] = down.contiguous()
+        else:
+            weights[name] = tensor.contiguous()
+    hidden = config["hidden_size"]
+    # fc(cat(normed next-token embedding, normed target hidden)) = the embedding: the draft guesses
+    # what the target's near-bigram head would say after that token.
+    weights["mtp.fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(torch.bfloat16)
+    weights["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(hidden, dtype=torch.bfloat16)  # Gemma norm: 1 + w
+    weights["mtp.pre_fc_norm_hidden.weight"] = torch.zeros(hidden, dtype=torch.bfloat16)
+    save_file(weights, weights_path, metadata={"format": "pt"})
+
+
 def write_tiny_model(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write a tiny random model of `kind` into `out_dir` (created) and return it."""
     import torch
@@ -171,7 +231,11 @@ def write_tiny_model(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(_transformers_config(kind, config), dtype=torch.bfloat16)
     with torch.no_grad():  # logit 0: never the argmax among hundreds of random ones
         model.lm_head.weight[never_generated(tokenizer)] = 0
+        if kind == "gated-delta-mtp":
+            _scale_layer_outputs(model)
     model.save_pretrained(out_dir)  # the checkpoint layout (transformers fuses MoE experts in memory)
+    if kind == "gated-delta-mtp":
+        _add_mtp_layer(out_dir, config, seed)
     # Our own config (not transformers' rewrite): SGLang reads keys transformers 5 drops or renames.
     (out_dir / "config.json").write_text(json.dumps(config, indent=1))
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "bos_token_id": eos_id}))

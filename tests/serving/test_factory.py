@@ -127,14 +127,11 @@ def state_entry(cache):
      lambda cache: type(cache.tree_core.eviction_strategy).__name__ == "LFUStrategy"),
     (dict(radix_eviction_policy="fifo"), "--radix-eviction-policy fifo",
      lambda cache: type(cache.tree_core.eviction_strategy).__name__ == "FIFOStrategy"),
-    (dict(is_eagle=True), "--speculative-algorithm", lambda cache: True),
 ])
 def test_flag_marconi_cannot_act_with_gets_upstreams_cache(caplog, server_args, flag, check):
     import multiprocessing
 
-    eagle = server_args.pop("is_eagle", False)
     ctx, params = hybrid_context(**server_args)
-    params.is_eagle = eagle  # kv_cache_builder: spec_algorithm.is_eagle() (NEXTN is EAGLE there)
     children = set(multiprocessing.active_children())
     with caplog.at_level(logging.WARNING, logger="sglang_marconi"):
         cache = marconi_radix_cache_factory(ctx)
@@ -149,6 +146,36 @@ def test_flag_marconi_cannot_act_with_gets_upstreams_cache(caplog, server_args, 
     for i in range(3):  # and it serves
         run_request(cc, list(range(1, 400)) + [9000 + i] * 10, 4)
         cc.check_no_leak()
+
+
+def test_speculative_decoding_on_a_hybrid_model_gets_the_marconi_cache_keyed_by_tokens():
+    """EAGLE / NEXTN (`params.is_eagle`, NEXTN is EAGLE there): with a Mamba component SGLang keys
+    the tree by tokens (`UnifiedTreeCore.is_eagle` off), so Marconi serves it; the live path is
+    `tests/server/test_live_speculative.py`."""
+    ctx, params = hybrid_context()
+    params.is_eagle = True  # kv_cache_builder: spec_algorithm.is_eagle()
+    cache = marconi_radix_cache_factory(ctx)
+    assert type(cache).__name__ == "MarconiUnifiedRadixCache" and cache.marconi_runtime is not None
+    assert cache.tree_core.is_eagle is False  # token keys, not bigrams
+    cc = as_cpu_cache(cache, params)
+    for i in range(3):
+        run_request(cc, list(range(1, 400)) + [9000 + i] * 10, 4, chunk_end=chunk_end_for_branch)
+        cc.check_no_leak()
+    assert cache.marconi_runtime.figures.hit_tokens > 0
+
+
+def test_speculative_decoding_without_ssm_layers_falls_back():
+    """Without SSM layers SGLang keys an EAGLE tree by bigrams, on which Marconi's window rules are
+    not verified: such a server keeps upstream's cache (one warning naming the flag)."""
+    from sglang_marconi.serving.plugin import upstream_only_flags
+
+    def ctx(hybrid_ssm):
+        return SimpleNamespace(enable_hierarchical_cache=False, is_hybrid_ssm=hybrid_ssm, server_args=SimpleNamespace(),
+                               params=SimpleNamespace(is_eagle=True, enable_session_radix_cache=False,
+                                                      eviction_policy="lru"))
+
+    assert upstream_only_flags(ctx(True)) == []
+    assert any("--speculative-algorithm" in flag for flag in upstream_only_flags(ctx(False)))
 
 
 def _outcome(factory, ctx):

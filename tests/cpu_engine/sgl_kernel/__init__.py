@@ -3,13 +3,24 @@
 SGLang 0.5.23's CPU engine calls for hybrid models on a host without AMX:
 `torch.ops.sgl_kernel.fused_gdn_gating_cpu`, `torch.ops.sgl_kernel.
 fused_sigmoid_gating_delta_rule_update_cpu`, `sgl_kernel.mamba.*_cpu` and
-`assign_req_to_token_pool_cpu`. The other names SGLang imports from it on CPU are stubs that
+`assign_req_to_token_pool_cpu`, and speculative decoding's bookkeeping ops
+(`torch_kernels.speculative`: draft / verify cache slots, tree building, greedy verification,
+the KV slot copy). The other names SGLang imports from it on CPU are stubs that
 raise NotImplementedError naming the op when called, so imports succeed and a missing op is
 reported where it is first needed.
 """
 
 import torch
 
+from torch_kernels.speculative import (  # noqa: F401
+    assign_draft_cache_locs_contiguous_cpu,
+    assign_extend_cache_locs_cpu,
+    build_tree_kernel_efficient_cpu,
+    copy_all_layer_kv_cache_cpu,
+    fill_accept_out_cache_loc_cpu,
+    fill_bonus_tokens_cpu,
+    verify_tree_greedy_cpu,
+)
 from torch_kernels.token_pool import assign_req_to_token_pool as assign_req_to_token_pool_cpu
 
 from . import mamba
@@ -28,10 +39,7 @@ def _not_implemented(name):
     return stub
 
 
-# Imported by SGLang modules under is_cpu() (speculative decoding, KV copies, AMX attention).
-_UNIMPLEMENTED = (
-    "copy_all_layer_kv_cache_cpu", "rotate_input_ids_cpu", "fill_accept_out_cache_loc_cpu",
-    "fill_bonus_tokens_cpu", "assign_draft_cache_locs_contiguous_cpu", "assign_extend_cache_locs_cpu",
-    "build_tree_kernel_efficient_cpu", "verify_tree_greedy_cpu", "build_draft_decode_metadata_cpu",
-)
+# Imported by SGLang modules under is_cpu(): multi-layer EAGLE's input rotation and the AMX
+# attention backend's draft metadata (this engine runs torch_native attention instead).
+_UNIMPLEMENTED = ("rotate_input_ids_cpu", "build_draft_decode_metadata_cpu")
 globals().update({name: _not_implemented(name) for name in _UNIMPLEMENTED})

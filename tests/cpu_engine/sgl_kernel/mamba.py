@@ -12,10 +12,11 @@ def causal_conv1d_fn_cpu(x, weight, bias, activation, conv_states, has_initial_s
                                    activation=activation)
 
 
-def causal_conv1d_update_cpu(x, conv_states, weight, bias, activation, conv_state_indices):
-    """Decode conv step; see `conv1d.causal_conv1d_update`."""
+def causal_conv1d_update_cpu(x, conv_states, weight, bias, activation, conv_state_indices, **speculative):
+    """Decode conv step (and speculative verify's, with its intermediate windows); see
+    `conv1d.causal_conv1d_update`."""
     return conv1d.causal_conv1d_update(x, conv_states, weight, bias, activation,
-                                       conv_state_indices=conv_state_indices)
+                                       conv_state_indices=conv_state_indices, **speculative)
 
 
 chunk_gated_delta_rule_cpu = gated_delta_rule.chunk_gated_delta_rule
@@ -29,10 +30,11 @@ def fused_gdn_gating_cpu(A_log, a, b, dt_bias, beta=1.0, threshold=20.0):
 def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, initial_state_source,
                                                initial_state_indices, cu_seqlens,
                                                use_qk_l2norm_in_kernel, softplus_beta=1.0,
-                                               softplus_threshold=20.0):
-    """Decode step with fused gating; see `gated_delta_rule.fused_sigmoid_gating_delta_rule_update`."""
+                                               softplus_threshold=20.0, **speculative):
+    """Decode step with fused gating (and speculative verify's, with its intermediate states);
+    see `gated_delta_rule.fused_sigmoid_gating_delta_rule_update`."""
     return gated_delta_rule.fused_sigmoid_gating_delta_rule_update(
         A_log=A_log, a=a, dt_bias=dt_bias, softplus_beta=softplus_beta,
         softplus_threshold=softplus_threshold, q=q, k=k, v=v, b=b,
         initial_state_source=initial_state_source, initial_state_indices=initial_state_indices,
-        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **speculative)

@@ -73,12 +73,18 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     """Decode: x [batch, dim] (one new token per request) or [batch, dim, steps]. Request b
     continues from conv_state[conv_state_indices[b]] (or row b when no indices are given), which
     then holds its last width - 1 inputs. Rows whose slot is `pad_slot_id` get output 0 and leave
-    the pool untouched. Returns x's shape. Circular-buffer and speculative-decoding arguments
-    (cache_seqlens, num_accept_tokens, intermediate_*, retrieve_*) are not supported."""
-    unsupported = (cache_seqlens, num_accept_tokens, intermediate_conv_window, intermediate_state_indices,
-                   retrieve_next_token, retrieve_next_sibling, retrieve_parent_token)
+    the pool untouched. Returns x's shape.
+
+    Speculative verify (a chain of draft tokens per request): with `intermediate_conv_window`
+    ([rows, steps, dim, width - 1]) the window after each step t goes to
+    intermediate_conv_window[intermediate_state_indices[b], t], as the Triton kernel's
+    SAVE_INTERMEDIATE does (SGLang commits the accepted step's window after verification).
+    Circular buffers (cache_seqlens, num_accept_tokens) and draft trees (retrieve_*) are not
+    supported."""
+    unsupported = (cache_seqlens, num_accept_tokens, retrieve_next_token, retrieve_next_sibling,
+                   retrieve_parent_token)
     if any(arg is not None for arg in unsupported):
-        raise NotImplementedError("causal_conv1d_update stand-in: circular buffers and speculative decoding")
+        raise NotImplementedError("causal_conv1d_update stand-in: circular buffers and draft trees")
     single_step = x.dim() == 2
     x3 = x.unsqueeze(-1) if single_step else x  # [batch, dim, steps]
     width = weight.shape[1]
@@ -91,4 +97,10 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
         window = torch.cat([conv_state[live_slots].to(COMPUTE_DTYPE), x3[live].to(COMPUTE_DTYPE)], dim=2)
         out[live] = _convolve(window, weight, bias, activation).to(out.dtype)
         conv_state[live_slots] = window[:, :, -(width - 1):].to(conv_state.dtype)
+        if intermediate_conv_window is not None:
+            rows = intermediate_state_indices.long()[live]
+            steps = x3.shape[2]
+            # the window after step t: inputs t + 1 .. t + width - 1 of [state, x]
+            after = window.unfold(2, width - 1, 1)[:, :, 1:steps + 1]  # [live, dim, steps, width - 1]
+            intermediate_conv_window[rows, :steps] = after.permute(0, 2, 1, 3).to(intermediate_conv_window.dtype)
     return out.squeeze(-1) if single_step else out

@@ -109,18 +109,26 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
                                            use_qk_l2norm_in_kernel=False, cu_seqlens=None,
                                            is_kda=False, lower_bound=None,
                                            disable_state_update=False,
-                                           intermediate_states_buffer=None, **speculative_options):
+                                           intermediate_states_buffer=None,
+                                           intermediate_state_indices=None, cache_steps=None,
+                                           retrieve_parent_token=None, **speculative_options):
     """Drop-in for the Triton decode kernel: gating plus the recurrence, token by token.
     q, k [1, T, H, K]; v [1, T, HV, V]; a, b [T, HV]; cu_seqlens [N + 1] (without it, each of
     the B rows of [B, T, ...] inputs is a sequence). Sequence i runs from
     initial_state_source[initial_state_indices[i]] and writes its final state back (unless
     disable_state_update); a PAD_SLOT_ID row runs from a zero state and writes nothing, as the
-    Triton kernel does. Returns o shaped like v, in q's dtype. KDA gates and speculative-
-    decoding buffers are not supported (speculative_options: the kernel's target-verify and
-    ReplaySSM arguments; any that is set is rejected)."""
-    if is_kda or lower_bound is not None or intermediate_states_buffer is not None \
+    Triton kernel does. Returns o shaped like v, in q's dtype.
+
+    Speculative verify (SGLang's target_verify: a chain of draft tokens per sequence, state
+    update disabled): with `intermediate_states_buffer` ([rows, >= steps, HV, V, K]) the state
+    after each step t goes to intermediate_states_buffer[intermediate_state_indices[i], t]
+    (a negative row: none), as the kernel's CACHE_INTERMEDIATE_STATES does; SGLang commits the
+    accepted step's state after verification. KDA gates, draft trees (retrieve_parent_token)
+    and the ReplaySSM options (speculative_options; any that is set is rejected) are not
+    supported."""
+    if is_kda or lower_bound is not None or retrieve_parent_token is not None \
             or any(option is not None and option is not False for option in speculative_options.values()):
-        raise NotImplementedError("fused_sigmoid_gating_delta_rule_update stand-in: KDA, speculative decoding")
+        raise NotImplementedError("fused_sigmoid_gating_delta_rule_update stand-in: KDA, draft trees, ReplaySSM")
     batch, steps, _, K = k.shape
     HV = v.shape[2]
     scale = K ** -0.5 if scale is None else scale
@@ -139,11 +147,17 @@ def fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, softplus_beta, sof
     state = torch.zeros(len(slots), *initial_state_source.shape[1:], dtype=COMPUTE_DTYPE)
     state[live] = initial_state_source[slots[live]].to(COMPUTE_DTYPE)
     out = torch.zeros(vs.shape, dtype=COMPUTE_DTYPE)
+    cache_rows = None
+    if intermediate_states_buffer is not None:
+        cache_rows = intermediate_state_indices.long()
     for step in range(int(lengths.max()) if len(lengths) else 0):
         rows = torch.nonzero(lengths > step).squeeze(1)  # sequences that have this step
         tok = starts[rows] + step
         o, state[rows] = delta_rule_step(state[rows], qs[tok], ks[tok], vs[tok], decays[tok], betas[tok])
         out[tok] = o
+        if cache_rows is not None:
+            keep = rows[cache_rows[rows] >= 0]
+            intermediate_states_buffer[cache_rows[keep], step] = state[keep].to(intermediate_states_buffer.dtype)
     if not disable_state_update and live.any():
         initial_state_source[slots[live]] = state[live].to(initial_state_source.dtype)
     return out.reshape(v.shape).to(q.dtype)

@@ -93,6 +93,11 @@ PANELS = [
       (delta_of("marconi_directives_applied"), f"directives / 5 min {RANK}"),
       (g("marconi_faults_recovered"), f"faults recovered {RANK}"),
       (g("marconi_rank_local_failures"), f"rank-local failures {RANK}")]),
+    ("Speculative decoding", "short",
+     "Draft tokens per verify (0: off), and finished requests SGLang left out of the tree because their last "
+     "verify ran past the stop.",
+     [(g("marconi_speculative_num_draft_tokens"), f"draft tokens {RANK}"),
+      (delta_of("marconi_speculative_final_states_skipped"), f"left out / 5 min {RANK}")]),
 ]
 
 

@@ -260,7 +260,7 @@ def build_marconi_serving(config, profile="nemotron-h-8b", group=None, **kwargs)
     from sglang_marconi.serving.plugin import attach_runtime
 
     group = group if group is not None else RankGroup()
-    settings = MarconiEvictionSettings(profile, choice=config.alpha or 0.0, faults=MarconiFaults(group.size, group.rank))
+    settings = MarconiEvictionSettings(profile, choice=config.fixed_choice or 0.0, faults=MarconiFaults(group.size, group.rank))
     mixins = (admission_mixin(),) if config.admission else ()
     overrides = marconi_component_overrides(settings, mamba_mixins=mixins)
     cc = build_cache(component_registry_override=overrides, cache_class=kwargs.pop("cache_class", None)

@@ -137,3 +137,19 @@ def test_settings_name_the_rule():
     settings = MarconiEvictionSettings("nemotron-h-8b", choice="coverage")
     assert (settings.kind, settings.weight, settings.value_kind, settings.label) == ("coverage", 0.0, "coverage", "coverage")
     assert not settings.use_upstream_lru and settings.alpha == 0.0
+
+
+def test_the_backend_as_built_serves_coverage_untuned():
+    """What `--radix-cache-backend marconi --marconi-eviction coverage` builds (components,
+    admission, runtime): the coverage rule in force, no tuner, and it stays so past sync points."""
+    from sglang_cpu import build_marconi_serving
+
+    from sglang_marconi.serving.config import MarconiServingConfig
+
+    cc, runtime = build_marconi_serving(MarconiServingConfig(eviction="coverage", tune_sync_every=4),
+                                        kv_size=2400, mamba_size=10, max_num_reqs=2)
+    serve(cc, Workload(4), 30)
+    assert runtime.settings.kind == "coverage" and runtime.tuner is None
+    assert cc.cache.marconi.index.value_kind == "coverage"
+    assert runtime.settings.counters.evictions_leaf + runtime.settings.counters.evictions_single_child > 0
+    runtime.close()

@@ -157,7 +157,9 @@ class TieredPrefixCache:
         # host copies of what is also on the device, in the order they became duplicates
         self._kv_duplicates: dict[int, TieredNode] = {}
         self._state_duplicates: dict[int, TieredNode] = {}
-        self._unsettled: set[TieredNode] = set()  # tier changes whose tree tidying waits for a safe point
+        # tier changes whose tree tidying waits for a safe point (by id: a deterministic order)
+        self._unsettled: dict[int, TieredNode] = {}
+        self._protected: TieredNode | None = None  # the node being evicted: a candidate of neither tier meanwhile
         self.eviction = None
         self.set_eviction(eviction if eviction is not None else FlopAwareEviction(0.0))
 
@@ -192,9 +194,8 @@ class TieredPrefixCache:
         hit_node, loaded = target, 0
         if target is not on_device:
             loaded = self._load_back(walk, target)
-            if loaded:
-                walk = self.tree.walk(seq)  # making room may have changed the tree beyond the hit
-            else:
+            walk = self.tree.walk(seq)  # making room may have changed the tree beyond the hit
+            if not loaded:
                 hit_node = on_device
         self._touch_hit(walk, hit_node)
         branch = self._branch_target(walk, limit)
@@ -371,13 +372,16 @@ class TieredPrefixCache:
         copy = (self._kv_bytes(node) if copy_kv else 0) + (self.ssm_state_bytes if copy_state else 0)
         self._drop(node)
         if copy:
-            self._drop_host(node)  # its own host state must not be evicted to make room for its KV
+            # making room on the host must neither evict the node's own host state nor list it again
+            self._protected = node
+            self._drop_host(node)
             incoming = None
             if plan.ranked:
                 footprint = (self._kv_bytes(node) if leaf else 0) + self.ssm_state_bytes
                 incoming = (node.last_access, self._value(node, footprint))
             if not self._host_make_room(copy, incoming, node):
                 plan = Demotion(kv=node.kv_host, state=node.st_host)  # nothing new gets a host copy
+            self._protected = None
         if leaf:
             self.counters.evictions_leaf += 1
             self._evict_leaf(node, plan)
@@ -421,10 +425,8 @@ class TieredPrefixCache:
             c.states_dropped += 1
             c.bytes_dropped += self.ssm_state_bytes
         self._set_state(node, dev=False)
-        if node.has_state:
-            self._refresh(node)
-        else:
-            self._compress(node)  # `HybridPrefixCache.evict`: the edge is absorbed by the child
+        self._refresh(node)
+        self._compress(node)  # without a state: `HybridPrefixCache.evict`, the edge is absorbed by the child
 
     def _remove_subtree(self, node: TieredNode) -> None:
         """Remove `node`, whose KV is on neither tier, and the host-only nodes below it."""
@@ -514,11 +516,11 @@ class TieredPrefixCache:
         self._drop_host(node)
         parent = self.tree.remove_leaf(node)
         self._refresh(parent)
-        self._unsettled.add(parent)
+        self._unsettled[parent.id] = parent
 
     def _host_candidate_bytes(self, node: TieredNode) -> int | None:
         """Host bytes evicting `node` from the host frees; None if it is not a host candidate."""
-        if node.lock_count or node.parent is None:
+        if node.lock_count or node.parent is None or node is self._protected:
             return None
         if not node.kv_dev and not node.children:
             return self._host_bytes(node)
@@ -533,7 +535,7 @@ class TieredPrefixCache:
         drop host-only leaves without a state. Deferred to here: mid-eviction a merge would grow
         the very node being demoted."""
         while self._unsettled:
-            node = self._unsettled.pop()
+            _, node = self._unsettled.popitem()
             if node.parent is None or node is self.tree.root:
                 continue
             if (self.rules.drops_stateless_host_leaves and not node.kv_dev and not node.children
@@ -544,7 +546,7 @@ class TieredPrefixCache:
                 self._drop_host(node)
                 parent = self.tree.remove_leaf(node)
                 self._refresh(parent)
-                self._unsettled.add(parent)
+                self._unsettled[parent.id] = parent
                 continue
             parent = node.parent
             self._compress(node)
@@ -560,7 +562,7 @@ class TieredPrefixCache:
             node.kv_host = host
             self.host_kv_tokens += n if host else -n
         self._track(self._kv_duplicates, node, node.kv_dev and node.kv_host)
-        self._unsettled.add(node)
+        self._unsettled[node.id] = node
 
     def _set_state(self, node: TieredNode, *, dev: bool | None = None, host: bool | None = None) -> None:
         if dev is not None and dev != node.st_dev:
@@ -573,7 +575,7 @@ class TieredPrefixCache:
         if not node.has_state:
             node.digest = None
         self._track(self._state_duplicates, node, node.st_dev and node.st_host)
-        self._unsettled.add(node)
+        self._unsettled[node.id] = node
 
     @staticmethod
     def _track(duplicates: dict, node: TieredNode, is_duplicate: bool) -> None:
@@ -624,7 +626,7 @@ class TieredPrefixCache:
             self.host_index.last_access[node.hslot] = self.clock
 
     def _is_candidate(self, node: TieredNode) -> bool:
-        if node.lock_count or node.parent is None or not node.kv_dev:
+        if node.lock_count or node.parent is None or not node.kv_dev or node is self._protected:
             return False
         if self._is_device_leaf(node):
             return True

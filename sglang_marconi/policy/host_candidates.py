@@ -41,9 +41,16 @@ class HostCandidateIndex(CandidateIndex):
         """Host bytes held by the candidates whose utility (recency + alpha x efficiency, min-max
         normalized over the candidates and the incoming node together, `CandidateIndex.lowest`'s
         weights) is strictly below an incoming node's."""
+        if not len(self.items):
+            return 0.0
+        return float(self._bytes[:len(self.items)][self.ranked_below(alpha, last_access, efficiency)].sum())
+
+    def ranked_below(self, alpha: float, last_access: float, efficiency: float) -> np.ndarray:
+        """Which candidates (a mask over `items`) rank strictly below an incoming node: the only
+        ones a ranked admission may displace."""
         n = len(self.items)
         if not n:
-            return 0.0
+            return np.zeros(0, dtype=bool)
         t, e = self._columns[0, :n], self._columns[1, :n]
         lo_t, hi_t = min(float(t.min()), last_access), max(float(t.max()), last_access)
         w_t = (1.0 + _TIE_BREAK) / (hi_t - lo_t) if hi_t > lo_t else 0.0
@@ -54,7 +61,7 @@ class HostCandidateIndex(CandidateIndex):
             w_e = alpha / (hi_e - lo_e) if hi_e > lo_e else 0.0
             scores = scores + (e - lo_e) * w_e
             incoming += (efficiency - lo_e) * w_e
-        return float(self._bytes[:n][scores < incoming].sum())
+        return scores < incoming
 
     def freed_bytes(self, slot: int) -> float:
         return float(self._bytes[slot])

@@ -111,4 +111,21 @@ class MarconiTiering:
         return device_eviction.alpha if isinstance(device_eviction, FlopAwareEviction) else 0.0
 
 
+def host_candidate_bytes(rules, *, locked: bool, is_root: bool, kv_on_device: bool, kv_on_host: bool,
+                         state_on_device: bool, state_on_host: bool, n_children: int, kv_bytes: int,
+                         state_bytes: int) -> int | None:
+    """The host bytes evicting one node from the host frees, None if it is no host candidate under
+    `rules`: a host-only leaf goes whole (its KV and its state), and, where the rules evict states
+    on the host (`host_evicts_states`), a host-only state of a node with at most one child goes
+    alone. One rule for the simulator's `TieredPrefixCache` and the served HiCache tree
+    (`serving/host_tier.py`)."""
+    if locked or is_root:
+        return None
+    if not kv_on_device and not n_children:
+        return (kv_bytes if kv_on_host else 0) + (state_bytes if state_on_host else 0)
+    if rules.host_evicts_states and state_on_host and not state_on_device and n_children <= 1:
+        return state_bytes
+    return None
+
+
 TIER_RULES = {"sglang+": UpstreamWriteBack, "marconi": MarconiTiering}

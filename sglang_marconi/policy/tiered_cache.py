@@ -54,7 +54,7 @@ from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction
 from sglang_marconi.policy.host_candidates import HostCandidateIndex
 from sglang_marconi.policy.radix_tree import Node, RadixTree, as_token_array
-from sglang_marconi.policy.tier_rules import Demotion, EvictionFacts
+from sglang_marconi.policy.tier_rules import Demotion, EvictionFacts, host_candidate_bytes
 
 
 class TieredNode(Node):
@@ -520,13 +520,11 @@ class TieredPrefixCache:
 
     def _host_candidate_bytes(self, node: TieredNode) -> int | None:
         """Host bytes evicting `node` from the host frees; None if it is not a host candidate."""
-        if node.lock_count or node.parent is None or node is self._protected:
-            return None
-        if not node.kv_dev and not node.children:
-            return self._host_bytes(node)
-        if self.rules.host_evicts_states and node.st_host and not node.st_dev and len(node.children) <= 1:
-            return self.ssm_state_bytes
-        return None
+        return host_candidate_bytes(
+            self.rules, locked=bool(node.lock_count) or node is self._protected, is_root=node.parent is None,
+            kv_on_device=node.kv_dev, kv_on_host=node.kv_host, state_on_device=node.st_dev,
+            state_on_host=node.st_host, n_children=len(node.children), kv_bytes=self._kv_bytes(node),
+            state_bytes=self.ssm_state_bytes)
 
     # -- settling: tree tidying deferred out of eviction loops ------------------------------------
     def _settle(self) -> None:

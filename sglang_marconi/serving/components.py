@@ -64,6 +64,7 @@ def _component_classes():
     from sglang.srt.mem_cache.unified_cache.components.base import (
         ComponentType,
         EvictLayer,
+        InternalStateBackup,
         LRURefreshPhase,
         get_and_increase_time_counter,
     )
@@ -183,9 +184,13 @@ def _component_classes():
 
         # -- the walk ------------------------------------------------------------------------
         def _tiers_not_modelled(self) -> bool:
-            """HiCache host tiers or a session cache (the factory builds upstream's cache for
-            these; this is the safety net for a cache built another way)."""
-            return bool(self.tree_core.enable_hicache or self.tree_core.enable_session_radix_cache)
+            """A session cache, or HiCache tiers Marconi does not decide (another write policy,
+            buffer_only host memory: the factory builds upstream's cache for these; this is the
+            safety net for a cache built another way). HiCache write_back is Marconi's
+            (`host_tier.py`)."""
+            if self.tree_core.enable_session_radix_cache:
+                return True
+            return bool(self.tree_core.enable_hicache and self.marconi.host_tier is None)
 
         def _walks_upstream(self) -> bool:
             """Whether this walk is upstream's, unchanged (see the module docstring). A predicate."""
@@ -319,7 +324,7 @@ def _component_classes():
                     self._report(MAMBA_PRESSURE, "probationary", probationary)
                     leaf = probationary in self.tree_core.evictable_device_leaves
                     return self._tombstone_or_delete(probationary, leaf, tracker, device_frees, host_frees,
-                                                     cache_actions)
+                                                     cache_actions, may_back_up=True)
                 if walk.probation_only:
                     return None
             if self._marconi_upstream_walk:
@@ -339,11 +344,16 @@ def _component_classes():
                 kind = "fallback"
             self._report(MAMBA_PRESSURE, kind, node)
             return self._tombstone_or_delete(node, node in tree_core.evictable_device_leaves, tracker, device_frees,
-                                             host_frees, cache_actions)
+                                             host_frees, cache_actions, may_back_up=True)
 
-        def _tombstone_or_delete(self, node, leaf, tracker, device_frees, host_frees, cache_actions):
+        def _tombstone_or_delete(self, node, leaf, tracker, device_frees, host_frees, cache_actions,
+                                 may_back_up=False):
             if leaf:
-                return node.id  # SGLang deletes the leaf whole
+                return node.id  # SGLang deletes the leaf whole (or, with a host tier, demotes it)
+            tier = self.marconi.host_tier
+            if may_back_up and tier is not None and self.tree_core.enable_hicache and tier.state_alone(node):
+                # Marconi's tier rule demotes this state: SGLang's internal backup, then the tombstone
+                return InternalStateBackup(node_id=node.id, num_tokens=1)
             # One mutation: tombstone the state, keep the node and its KV (upstream's code, unguarded).
             tree_core = self.tree_core
             tree_core._evict_component_and_detach_lru(

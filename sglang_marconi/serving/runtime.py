@@ -360,6 +360,16 @@ class MarconiRuntime:
             "marconi_two_pass_splits": two_pass.splits + two_pass.continuation_splits,
             "marconi_two_pass_skipped": two_pass.skipped_other_chunked + two_pass.skipped_unaligned,
             "marconi_two_pass_deferred": two_pass.deferred_second_chunked,
+            "marconi_device_hit_tokens": counters.device_hit_tokens,
+            "marconi_host_hit_tokens": counters.host_hit_tokens,
+            "marconi_host_states_demoted": counters.states_demoted,
+            "marconi_host_states_dropped": counters.states_dropped,
+            "marconi_host_kv_tokens_demoted": counters.kv_tokens_demoted,
+            "marconi_host_drops": counters.host_drops,
+            "marconi_host_evictions": counters.host_evictions,
+            "marconi_host_states_evicted": counters.states_evicted_host,
+            "marconi_host_states_loaded_back": counters.states_loaded_back,
+            "marconi_host_kv_tokens_loaded_back": counters.kv_tokens_loaded_back,
         }
 
     def close(self) -> None:

@@ -95,7 +95,9 @@ def hicache_server_args(ratio: float = 2.0, host_size: int | None = None):
         kwargs["hicache_size"] = host_size
     else:
         kwargs["hicache_ratio"] = ratio
-    return ServerArgs(**kwargs)
+    server_args = ServerArgs(**kwargs)
+    server_args._mamba_cache_chunk_size = 64  # what the HF config would say (as `build_cache`)
+    return server_args
 
 
 def attach_hicache(cc, ratio: float = 2.0, **build_kwargs):

@@ -207,5 +207,74 @@ def test_under_host_pressure_marconi_drops_the_cheapest_to_recompute_per_byte_an
 def _first(node, cc):
     while node.parent is not cc.tree_core.root_node:
         node = node.parent
+    return int(_key(node)[0])
+
+
+def _hicache_context(policy: str):
+    from types import SimpleNamespace
+
+    from hicache_cpu import hicache_server_args, install
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
+    from transformers import NemotronHConfig
+
+    install()
+    params = build_cache(return_params=True, kv_size=256, mamba_size=8)
+    server_args = hicache_server_args()
+    server_args.hicache_write_policy = policy
+    set_global_server_args_for_scheduler(server_args)
+    worker = SimpleNamespace(register_hicache_layer_transfer_counter=lambda counter: None)
+    return TreeCacheBuildContext(
+        server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=True,
+        enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=worker,
+        model_config=SimpleNamespace(hf_config=NemotronHConfig()), tp_size=1, tp_rank=0, tp_group=None)
+
+
+def test_the_factory_serves_hicache_write_back_with_marconis_tiers_and_falls_back_honestly_otherwise(caplog):
+    import logging
+
+    from sglang_marconi.serving.plugin import marconi_radix_cache_factory
+
+    cache = marconi_radix_cache_factory(_hicache_context("write_back"))
+    assert type(cache).__name__ == "MarconiUnifiedRadixCache" and cache.cache_controller is not None
+    assert cache.marconi.host_tier is not None and cache.marconi_runtime is not None
+    with caplog.at_level(logging.WARNING, logger="sglang_marconi"):
+        cache = marconi_radix_cache_factory(_hicache_context("write_through"))
+    assert type(cache).__name__ == "UnifiedRadixCache"
+    assert "--hicache-write-policy write_through" in cache.marconi_fallback
+
+
+def _node_ending_at(cc, tokens):
+    node, depth = cc.tree_core.root_node, 0
+    while depth < len(tokens):
+        node = next(c for c in node.children.values() if _key(c)[0] == tokens[depth])
+        depth += len(_key(node))
+    assert depth == len(tokens)
+    return node
+
+
+def _key(node):
     key = node.key
-    return int(key.token_ids[0]) if hasattr(key, "token_ids") else int(key[0])
+    return list(key.token_ids) if hasattr(key, "token_ids") else list(key)
+
+
+def test_a_state_evicted_alone_is_demoted_and_loaded_back_exactly():
+    """Mamba pressure takes the state of a node that keeps its KV (a single-child node): Marconi's
+    rule demotes it (SGLang's internal state backup) instead of tombstoning it, and a hit on that
+    prefix loads the state back bit for bit."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cc, _, _ = marconi_hicache(kv_size=400, mamba_size=10)
+    _randomize_device(cc)
+    first, _ = serve(cc, A)
+    serve(cc, A + list(first.output_ids) + list(range(500, 530)))  # the next turn: A's node gets a child
+    node = _node_ending_at(cc, A)
+    slot = node.component_data[MAMBA].value.long()
+    state_cold = [t[:, slot].clone() for t in _state_tensors(cc)]  # read without a match (no recency change)
+    cc.cache.evict(EvictParams(num_tokens=0, mamba_num=2))
+    counters = cc.settings.counters
+    assert counters.states_demoted == 2 and counters.states_dropped == 0 and counters.evictions_leaf == 0
+    req, host = serve(cc, A + [9, 9], n_out=1)
+    assert req.cached_tokens == len(A) and counters.states_loaded_back == 1
+    _, state_warm = _snapshot(cc, A)
+    assert all(torch.equal(a, b) for a, b in zip(state_warm, state_cold))

@@ -26,6 +26,8 @@ from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams  # noqa: E
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
 from sglang_cpu import FULL, MAMBA, _extend, build_cache, build_marconi_serving, make_request  # noqa: E402
 
+from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
+
 from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
 from sglang_marconi.serving.host_tier import attach_host_tier  # noqa: E402
 from sglang_marconi.serving.metrics import GAUGES  # noqa: E402
@@ -53,7 +55,7 @@ def test_hicache_stand_ins_match_their_references(page_size):
 
 
 # -- driving the cache as the scheduler does, with load backs --------------------------------------
-def serve(cc, tokens, n_out: int = 2):
+def serve(cc, tokens, n_out: int = 2, chunk_end=None):
     """One request: match; a host hit is loaded back (`init_load_back`, the H2D transfer, the ack)
     and matched again on the device; prefill; decode; release. Returns (req, host tokens loaded)."""
     cache, pool = cc.cache, cc.req_to_token_pool
@@ -68,7 +70,13 @@ def serve(cc, tokens, n_out: int = 2):
         host = loaded[0]
         req.init_next_round_input(cache)
     req.cached_tokens = req.prefix_len
-    _extend(cc, req, len(req.full_untruncated_fill_ids))
+    n = len(req.full_untruncated_fill_ids)
+    while True:  # prefill chunks: Marconi's two-pass rule may end one at a branch (`chunk_end`)
+        end = n if chunk_end is None else chunk_end(req, n)
+        _extend(cc, req, end)
+        if end == n:
+            break
+        checkpoint_kv_cache(req, cache)
     for step in range(n_out):
         req.output_ids.append(10_000_000 + len(tokens) * 7 + step)
         req.update_finish_state()
@@ -278,3 +286,32 @@ def test_a_state_evicted_alone_is_demoted_and_loaded_back_exactly():
     assert req.cached_tokens == len(A) and counters.states_loaded_back == 1
     _, state_warm = _snapshot(cc, A)
     assert all(torch.equal(a, b) for a, b in zip(state_warm, state_cold))
+
+
+@pytest.mark.parametrize("backend", ["marconi", "upstream"])
+def test_a_branch_state_on_a_backed_up_path_is_demoted_not_lost(backend):
+    """SGLang #40680's case: after a load back A's KV keeps its host copy; a branch at token 20
+    splits A and puts a device-only state on a node whose KV is on the host. Upstream's write_back
+    demotes that node in place and frees the state with no copy (a later request sharing the 20
+    tokens misses); Marconi backs the state up first, and the request hits from the host."""
+    if backend == "marconi":
+        cc, chunk_end = marconi_hicache()[0], chunk_end_for_branch
+    else:
+        cc, chunk_end = upstream_hicache(), (lambda req, n: 20 if req.kv.kv_committed_len < 20 else n)
+    serve(cc, A)
+    for seq in _others(5):
+        serve(cc, seq)
+    assert serve(cc, A + [7, 8])[1] == len(A)  # loaded back: A's KV keeps its host copy
+    serve(cc, A[:20] + list(range(900, 920)), chunk_end=chunk_end)
+    branch = _node_ending_at(cc, A[:20])
+    kv, state = branch.component_data[FULL], branch.component_data[MAMBA]
+    assert kv.host_value is not None and state.value is not None and state.host_value is None
+    for seq in _others(6, base=3000):
+        serve(cc, seq)
+    assert kv.value is None  # the branch node left the device
+    req, host = serve(cc, A[:20] + [1, 2, 3], n_out=1)
+    if backend == "marconi":
+        assert state.host_value is not None and (req.cached_tokens, host) == (20, 20)
+        assert cc.settings.counters.states_dropped == 0
+    else:
+        assert state.host_value is None and req.cached_tokens == 0

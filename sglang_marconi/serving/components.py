@@ -14,11 +14,16 @@ SGLang frees memory under two pressures, each driven by one component's walk
 With no Marconi candidate left under Mamba pressure (states only on multi-child nodes or on
 KV-locked leaves) the MAMBA step takes upstream's choice, SGLang's least recently used unlocked
 state (`evictions_fallback`), so an allocation never fails where upstream's would succeed.
+With HiCache write_back (`host_tier.py`) the walks are Marconi's; what a victim leaf becomes
+(demoted to the host or dropped) is the cache's `_evict_device_leaf`, and a state taken alone under
+Mamba pressure is demoted (`InternalStateBackup`, SGLang's backup before the tombstone) when
+Marconi's tier rule admits it to the host.
 A walk that may take probationary states only (`EvictionWalk.probation_only`: a probationary
 state's own room) frees nothing else under either walk.
 
-Upstream's walks run unchanged when: the tree has HiCache tiers or a session cache (the factory
-builds upstream's cache for these; this is the safety net), the rule in force is SGLang's LRU
+Upstream's walks run unchanged when: the tree has a session cache, or HiCache tiers other than
+write_back with host values in the tree (the factory builds upstream's cache for these; this is
+the safety net), the rule in force is SGLang's LRU
 (under KV pressure the index's recency pick stands in for upstream's leaf heap: the same leaf),
 or this cache fell back after an unrecoverable fault.
 

@@ -91,6 +91,9 @@ def serve(cc, tokens, n_out: int = 2, chunk_end=None):
         req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
     release_kv_cache(req, cache, checkpoint=True)
     cache.check_hicache_events()
+    index = getattr(getattr(cache, "marconi", None), "index", None)
+    if index is not None and index.bound:
+        index.check()  # the eviction index agrees with the tree after every HiCache transition
     return req, host
 
 

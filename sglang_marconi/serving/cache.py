@@ -85,7 +85,7 @@ def marconi_cache_class():
                 from sglang.srt.mem_cache.unified_cache.components.base import BASE_COMPONENT_TYPE
 
                 component_type = BASE_COMPONENT_TYPE
-            if tier is None:
+            if tier is None or not tier.ranks(component_type):
                 return super().evict_host(num_tokens, component_type)
             return tier.evict_host(num_tokens, component_type)
 

@@ -266,6 +266,12 @@ class ServedHostTier:
         self.counters.states_loaded_back += states
 
     # -- host eviction ---------------------------------------------------------------------------
+    @staticmethod
+    def ranks(component_type) -> bool:
+        """Whether Marconi ranks this host pool (KV and SSM states; any other is upstream's)."""
+        full, mamba, _ = _types()
+        return component_type in (full, mamba)
+
     def evict_host(self, num_tokens: int, component_type) -> int:
         """Free `num_tokens` of `component_type`'s host pool: SGLang's KV duplicates first, then
         the host's own candidates, lowest utility first. Returns what was freed."""

@@ -292,3 +292,36 @@ def test_bytes_ranked_below_matches_a_brute_force_ranking():
             score = (ts - ts.min()) / np.ptp(ts) + alpha * (es - es.min()) / np.ptp(es)
             expected = sum(r[2] for r, s in zip(rows, score[:-1]) if s < score[-1] - 1e-9)
             assert index.bytes_ranked_below(alpha, t_in, e_in) == pytest.approx(expected)
+
+
+def test_host_candidate_rule_and_ranked_mask_shared_with_the_served_tier():
+    """The two pieces `serving/host_tier.py` calls: `host_candidate_bytes` (which host nodes are
+    candidates and what they free) and `HostCandidateIndex.ranked_below` (whom a ranked admission
+    may displace: the mask `bytes_ranked_below` sums)."""
+    import numpy as np
+
+    from sglang_marconi.policy.host_candidates import HostCandidateIndex
+    from sglang_marconi.policy.tier_rules import MarconiTiering, UpstreamWriteBack, host_candidate_bytes
+
+    def facts(**kw):
+        base = dict(locked=False, is_root=False, kv_on_device=False, kv_on_host=True, state_on_device=False,
+                    state_on_host=True, n_children=0, kv_bytes=100, state_bytes=30)
+        return {**base, **kw}
+
+    for rules in (MarconiTiering(), UpstreamWriteBack()):
+        assert host_candidate_bytes(rules, **facts()) == 130  # a host-only leaf goes whole
+        assert host_candidate_bytes(rules, **facts(locked=True)) is None
+        assert host_candidate_bytes(rules, **facts(kv_on_device=True, state_on_host=False)) is None
+    alone = facts(kv_on_device=True, n_children=1)  # a host-only state of a node that keeps its KV
+    assert host_candidate_bytes(MarconiTiering(), **alone) == 30
+    assert host_candidate_bytes(UpstreamWriteBack(), **alone) is None
+    assert host_candidate_bytes(MarconiTiering(), **facts(n_children=2, kv_on_device=True)) is None
+
+    rng = np.random.default_rng(0)
+    index = HostCandidateIndex(4)
+    for i in range(20):
+        index.add(i, float(rng.integers(100)), float(rng.random()), int(rng.integers(1, 50)))
+    for _ in range(20):
+        t, e, alpha = float(rng.integers(100)), float(rng.random()), float(rng.choice([0.0, 1.0, 5.0]))
+        mask = index.ranked_below(alpha, t, e)
+        assert index.bytes_ranked_below(alpha, t, e) == sum(index.freed_bytes(s) for s in np.flatnonzero(mask))

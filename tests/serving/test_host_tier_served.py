@@ -33,6 +33,17 @@ from sglang_marconi.serving.host_tier import attach_host_tier  # noqa: E402
 from sglang_marconi.serving.metrics import GAUGES  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _plain_server_args_after():
+    """The HiCache arguments published here do not outlive the test (as `build_cache` publishes)."""
+    yield
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    server_args = ServerArgs(model_path="dummy", page_size=1)
+    server_args._mamba_cache_chunk_size = 64
+    set_global_server_args_for_scheduler(server_args)
+
+
 @pytest.mark.parametrize("page_size", [1, 2])
 def test_hicache_stand_ins_match_their_references(page_size):
     g = torch.Generator().manual_seed(page_size)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 from sglang_marconi.serving.cache_state import walk_of
+from sglang_marconi.serving.host_tier import served_tiers
 from sglang_marconi.serving.runtime import speculative_skip
 
 
@@ -67,6 +68,45 @@ def marconi_cache_class():
                 runtime.report("on_evict", runtime.on_evict, result.num_tokens_evicted, result.mamba_num_evicted)
             return result
 
+        # -- HiCache's host tier under Marconi's rule (`host_tier.py`) ----------------------------
+        def _marconi_host_tier(self):
+            state = self.marconi
+            tier = None if state is None else state.host_tier
+            return tier if tier is not None and served_tiers(self) else None
+
+        def _evict_device_leaf(self, node_id, tracker):
+            tier = self._marconi_host_tier()
+            if tier is None:
+                return super()._evict_device_leaf(node_id, tracker)
+            return tier.evict_device_leaf(node_id, tracker, super()._evict_device_leaf)
+
+        def evict_host(self, num_tokens, component_type=None):
+            tier = self._marconi_host_tier()
+            if component_type is None:
+                from sglang.srt.mem_cache.unified_cache.components.base import BASE_COMPONENT_TYPE
+
+                component_type = BASE_COMPONENT_TYPE
+            if tier is None or not tier.ranks(component_type):
+                return super().evict_host(num_tokens, component_type)
+            return tier.evict_host(num_tokens, component_type)
+
+        def init_load_back(self, params):
+            loaded = super().init_load_back(params)
+            req = getattr(params, "req", None)
+            if loaded is not None and req is not None and self.marconi is not None:
+                req.marconi_host_loaded = loaded[0]
+            return loaded
+
+        def load_back(self, node_id, mem_quota=None, req=None):
+            tier = self._marconi_host_tier()
+            facts = tier.load_back_facts(node_id) if tier is not None else None
+            ok = super().load_back(node_id, mem_quota, req=req)
+            if tier is not None:
+                if ok:
+                    tier.loaded_back(*facts)
+                self.marconi.index.invalidate()  # nodes came back to the device: rebuilt at next use
+            return ok
+
         def checkpoint(self, req, *args, **kwargs):
             result = super().checkpoint(req, *args, **kwargs)
             self._update_marconi_index()
@@ -79,6 +119,13 @@ def marconi_cache_class():
             if runtime is not None and (checkpointed or (runtime.speculative and speculative_skip(req))):
                 # a request SGLang kept out of the tree under speculative decoding still counts
                 runtime.on_release(req)
+            if checkpointed and self.marconi is not None and self.marconi.host_tier is not None \
+                    and not getattr(req, "marconi_hit_counted", False) and req.finished():
+                req.marconi_hit_counted = True
+                host = getattr(req, "marconi_host_loaded", 0) or 0
+                counters = self.marconi.settings.counters
+                counters.host_hit_tokens += host
+                counters.device_hit_tokens += max(0, (getattr(req, "cached_tokens", 0) or 0) - host)
 
         def reset(self):
             super().reset()

@@ -80,6 +80,7 @@ class MarconiCacheState:
     eager_index_upkeep: bool = True  # re-evaluate after each checkpoint and release (admission on)
     walk: EvictionWalk = ANY_WALK  # the eviction call in progress (see the module docstring)
     kv_state_events: Any = None  # kv_events.ReusablePointTracker, made on first publish
+    host_tier: Any = None  # host_tier.ServedHostTier, with HiCache write_back (`attach_host_tier`)
 
     @property
     def faults(self):

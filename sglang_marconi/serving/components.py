@@ -14,11 +14,16 @@ SGLang frees memory under two pressures, each driven by one component's walk
 With no Marconi candidate left under Mamba pressure (states only on multi-child nodes or on
 KV-locked leaves) the MAMBA step takes upstream's choice, SGLang's least recently used unlocked
 state (`evictions_fallback`), so an allocation never fails where upstream's would succeed.
+With HiCache write_back (`host_tier.py`) the walks are Marconi's; what a victim leaf becomes
+(demoted to the host or dropped) is the cache's `_evict_device_leaf`, and a state taken alone under
+Mamba pressure is demoted (`InternalStateBackup`, SGLang's backup before the tombstone) when
+Marconi's tier rule admits it to the host.
 A walk that may take probationary states only (`EvictionWalk.probation_only`: a probationary
 state's own room) frees nothing else under either walk.
 
-Upstream's walks run unchanged when: the tree has HiCache tiers or a session cache (the factory
-builds upstream's cache for these; this is the safety net), the rule in force is SGLang's LRU
+Upstream's walks run unchanged when: the tree has a session cache, or HiCache tiers other than
+write_back with host values in the tree (the factory builds upstream's cache for these; this is
+the safety net), the rule in force is SGLang's LRU
 (under KV pressure the index's recency pick stands in for upstream's leaf heap: the same leaf),
 or this cache fell back after an unrecoverable fault.
 
@@ -64,6 +69,7 @@ def _component_classes():
     from sglang.srt.mem_cache.unified_cache.components.base import (
         ComponentType,
         EvictLayer,
+        InternalStateBackup,
         LRURefreshPhase,
         get_and_increase_time_counter,
     )
@@ -183,9 +189,13 @@ def _component_classes():
 
         # -- the walk ------------------------------------------------------------------------
         def _tiers_not_modelled(self) -> bool:
-            """HiCache host tiers or a session cache (the factory builds upstream's cache for
-            these; this is the safety net for a cache built another way)."""
-            return bool(self.tree_core.enable_hicache or self.tree_core.enable_session_radix_cache)
+            """A session cache, or HiCache tiers Marconi does not decide (another write policy,
+            buffer_only host memory: the factory builds upstream's cache for these; this is the
+            safety net for a cache built another way). HiCache write_back is Marconi's
+            (`host_tier.py`)."""
+            if self.tree_core.enable_session_radix_cache:
+                return True
+            return bool(self.tree_core.enable_hicache and self.marconi.host_tier is None)
 
         def _walks_upstream(self) -> bool:
             """Whether this walk is upstream's, unchanged (see the module docstring). A predicate."""
@@ -319,7 +329,7 @@ def _component_classes():
                     self._report(MAMBA_PRESSURE, "probationary", probationary)
                     leaf = probationary in self.tree_core.evictable_device_leaves
                     return self._tombstone_or_delete(probationary, leaf, tracker, device_frees, host_frees,
-                                                     cache_actions)
+                                                     cache_actions, may_back_up=True)
                 if walk.probation_only:
                     return None
             if self._marconi_upstream_walk:
@@ -339,11 +349,16 @@ def _component_classes():
                 kind = "fallback"
             self._report(MAMBA_PRESSURE, kind, node)
             return self._tombstone_or_delete(node, node in tree_core.evictable_device_leaves, tracker, device_frees,
-                                             host_frees, cache_actions)
+                                             host_frees, cache_actions, may_back_up=True)
 
-        def _tombstone_or_delete(self, node, leaf, tracker, device_frees, host_frees, cache_actions):
+        def _tombstone_or_delete(self, node, leaf, tracker, device_frees, host_frees, cache_actions,
+                                 may_back_up=False):
             if leaf:
-                return node.id  # SGLang deletes the leaf whole
+                return node.id  # SGLang deletes the leaf whole (or, with a host tier, demotes it)
+            tier = self.marconi.host_tier
+            if may_back_up and tier is not None and self.tree_core.enable_hicache and tier.state_alone(node):
+                # Marconi's tier rule demotes this state: SGLang's internal backup, then the tombstone
+                return InternalStateBackup(node_id=node.id, num_tokens=1)
             # One mutation: tombstone the state, keep the node and its KV (upstream's code, unguarded).
             tree_core = self.tree_core
             tree_core._evict_component_and_detach_lru(

@@ -35,6 +35,17 @@ class EvictionCounters:
     evictions_fallback: int = 0  # Mamba pressure without Marconi candidates: upstream's LRU state
     evictions_probationary: int = 0  # probationary states, evicted first under Mamba pressure
     stale_repairs: int = 0  # chosen victims whose index entry was out of date (expected 0)
+    # host tier (HiCache write_back, `host_tier.py`)
+    states_demoted: int = 0  # SSM states copied to (or kept on) the host as they left the device
+    states_dropped: int = 0  # SSM states that left the device with no host copy
+    kv_tokens_demoted: int = 0  # KV tokens copied to the host as they left the device
+    host_drops: int = 0  # device leaves dropped on both tiers (no state, or ranked below the host's)
+    host_evictions: int = 0  # host candidates evicted to make room on the host
+    states_evicted_host: int = 0  # SSM states among them
+    states_loaded_back: int = 0  # SSM states loaded back from the host on a hit
+    kv_tokens_loaded_back: int = 0  # KV tokens loaded back from the host on a hit
+    device_hit_tokens: int = 0  # hit tokens found on the device
+    host_hit_tokens: int = 0  # hit tokens loaded back from the host
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,16 @@ GAUGES = {
     "marconi_rank_local_failures": "Rank-local Marconi features (tuning, metrics) stopped by a failure on this rank.",
     "marconi_speculative_num_draft_tokens": "Draft tokens per verify of speculative decoding (0: off); /server_info names the algorithm (marconi_speculative).",
     "marconi_speculative_final_states_skipped": "Finished requests SGLang left out of the tree (KV and state): their last verify accepted tokens past the stop, so their state covers tokens no request sends again (speculative decoding).",
+    "marconi_device_hit_tokens": "Hit tokens of released requests found on the device (HiCache write_back).",
+    "marconi_host_hit_tokens": "Hit tokens of released requests loaded back from the host tier (HiCache write_back).",
+    "marconi_host_states_demoted": "SSM states demoted to the host tier as they left the device.",
+    "marconi_host_states_dropped": "SSM states that left the device with no host copy (ranked below the host's candidates, or stateless leaves' none).",
+    "marconi_host_kv_tokens_demoted": "KV tokens copied to the host tier as they left the device.",
+    "marconi_host_drops": "Device leaves dropped on both tiers by Marconi's tier rule.",
+    "marconi_host_evictions": "Host-tier candidates evicted (lowest recency + alpha x FLOPs saved per byte first) to make room on the host.",
+    "marconi_host_states_evicted": "SSM states among the host-tier evictions.",
+    "marconi_host_states_loaded_back": "SSM states loaded back from the host tier on a hit.",
+    "marconi_host_kv_tokens_loaded_back": "KV tokens loaded back from the host tier on a hit.",
 }
 # The gauges of a sliding-window (SWA) cache (`swa_runtime.SWARuntime.metrics`): the SSM ones that
 # apply, and what its window eviction does.

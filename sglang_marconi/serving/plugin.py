@@ -11,9 +11,13 @@ Configurations in which Marconi cannot act fall back the same way: the factory b
 what SGLang's default selection chain builds (`default_radix_cache_factory`), with no Marconi
 runtime and no tuner process, logs one warning naming the flag, and `/server_info` shows
 `marconi: {"marconi_eviction_policy": "upstream", "marconi_fallback": why}` (no gauges):
-- `--enable-hierarchical-cache`: HiCache moves nodes between device and host tiers with its own
-  eviction and write-back protocol (`create_unified_radix_cache` -> `init_hicache`), which
-  Marconi's walks do not model;
+- `--enable-hierarchical-cache` other than `--hicache-write-policy write_back` with host pools in
+  the tree: write_through / write_through_selective copy every node to the host as it is
+  inserted, so a device eviction decides nothing (and `--hicache-host-memory-mode buffer_only`
+  keeps no host values in the tree); an L3 `--hicache-storage-backend` prefetches and writes
+  pages outside the tree's walks. With write_back (SGLang's default policy for hybrid models is
+  write_through_selective; write_back must be asked for) Marconi decides the tiers:
+  `host_tier.py` (what stays on the device, what is demoted to host memory, what is dropped);
 - `--enable-session-radix-cache`: session-held nodes are fenced off in upstream's walks
   (`UnifiedTreeCore._session_lru_predicate`), not in Marconi's candidates;
 - `--enable-lmcache`, `--enable-flexkv`: SGLang builds another cache class for these
@@ -102,7 +106,13 @@ def upstream_only_flags(ctx) -> list[str]:
     """The flags of this server with which Marconi cannot act (see the module docstring)."""
     flags = []
     if ctx.enable_hierarchical_cache:
-        flags.append("--enable-hierarchical-cache")
+        policy = _memory_flag(ctx, "hicache_write_policy")
+        if policy != "write_back":
+            flags.append(f"--enable-hierarchical-cache with --hicache-write-policy {policy}")
+        if _memory_flag(ctx, "hicache_host_memory_mode") == "buffer_only":
+            flags.append("--hicache-host-memory-mode buffer_only")
+        if _memory_flag(ctx, "hicache_storage_backend"):
+            flags.append("--hicache-storage-backend")
     if getattr(ctx.params, "enable_session_radix_cache", False):
         flags.append("--enable-session-radix-cache")
     flags += [flag for flag, name in _MEMORY_FLAGS if _memory_flag(ctx, name)]
@@ -188,6 +198,10 @@ def marconi_radix_cache_factory(ctx):
 
         cache_class = one_budget_cache_class()
     cache = create_unified_radix_cache(ctx, cache_class=cache_class)
+    if getattr(cache, "cache_controller", None) is not None:  # HiCache write_back: Marconi's tiers
+        from sglang_marconi.serving.host_tier import attach_host_tier
+
+        attach_host_tier(cache, profile)
     runtime = attach_runtime(cache, config, group=group)
     from sglang_marconi.serving.metrics import publishes_scheduler_metrics
 

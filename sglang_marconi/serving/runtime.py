@@ -370,6 +370,16 @@ class MarconiRuntime:
             "marconi_speculative": self.speculative[0] if self.speculative else None,
             "marconi_speculative_num_draft_tokens": self.speculative[1] if self.speculative else 0,
             "marconi_speculative_final_states_skipped": f.speculative_final_states_skipped,
+            "marconi_device_hit_tokens": counters.device_hit_tokens,
+            "marconi_host_hit_tokens": counters.host_hit_tokens,
+            "marconi_host_states_demoted": counters.states_demoted,
+            "marconi_host_states_dropped": counters.states_dropped,
+            "marconi_host_kv_tokens_demoted": counters.kv_tokens_demoted,
+            "marconi_host_drops": counters.host_drops,
+            "marconi_host_evictions": counters.host_evictions,
+            "marconi_host_states_evicted": counters.states_evicted_host,
+            "marconi_host_states_loaded_back": counters.states_loaded_back,
+            "marconi_host_kv_tokens_loaded_back": counters.kv_tokens_loaded_back,
         }
 
     def close(self) -> None:

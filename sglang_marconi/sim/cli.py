@@ -10,6 +10,14 @@ KV-only block caches (`--policies kv-lru,kv-lfu,kv-fifo,kv-s3fifo:small_ratio=0.
 replay the trace's block hash ids; `--capacity-blocks N[,M]` sizes them in blocks instead of
 `--capacity` bytes, and their runs add capacity_blocks, block_size, total_hit_tokens,
 total_prompt_tokens, overall_hit_rate, final_cache_blocks and evictions.
+
+A host tier (`--host-capacity 100GB,400GB`, SGLang's HiCache with write_back) gives sglang+
+(upstream's write-back rule, LRU on both tiers) and marconi (Marconi's demote-or-drop by FLOPs
+saved per byte) a host tier per device capacity and host capacity; their runs add
+host_capacity_bytes, device_hit_tokens, host_hit_tokens, device/host_token_hit_rate,
+requests_host_hit, bytes_demoted, bytes_loaded, bytes_dropped, bytes_evicted_host,
+bytes_reclaimed, states_demoted, states_dropped, states_evicted_host, load_backs (and more), and
+their MODELED TTFT includes the load backs at an assumed host link bandwidth.
 """
 
 from __future__ import annotations
@@ -29,11 +37,11 @@ from sglang_marconi.sim.kv_blocks.registry import build_block_cache, is_kv_polic
 from sglang_marconi.sim.kv_blocks.replay import replay_blocks
 from sglang_marconi.sim.kv_blocks.view import BlockTrace, block_trace, kv_capacities
 from sglang_marconi.sim.policies import (CAPACITY_FREE, SWA_POLICY_NAMES, build_policy, check_policy_name,
-                                         split_policies)
+                                         has_host_tier, split_policies)
 from sglang_marconi.sim.replay import RunResult, replay
 from sglang_marconi.sim.traces import DEFAULT_WORKLOAD, MOONCAKE_TOKEN_MODES, load_workload
 from sglang_marconi.sim.tuning import shadow_config_for
-from sglang_marconi.sim.units import format_bytes, parse_capacities, parse_counts
+from sglang_marconi.sim.units import format_bytes, parse_capacities, parse_counts, parse_host_capacities
 
 DEFAULT_POLICIES = "none,vllm+,sglang+,marconi,marconi-best,infinite"
 
@@ -50,6 +58,18 @@ def _seglen_weights(text: str) -> tuple[float, ...]:
         return parse_seglen_weights(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"cannot read SegLen weights {text!r}: use a comma list or 'none'") from None
+
+
+def _host_alpha(text: str) -> float | None:
+    if text == "device":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"--host-alpha must be a number >= 0 or 'device', got {text!r}")
+    return value
 
 
 def _sample_rate(text: str) -> float | None:
@@ -77,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "Marconi's admission; coverage SGLang PR #38000's eviction rule; KV-only block caches "
                         "kv-lru, kv-lfu, kv-fifo, kv-s3fifo[:small_ratio=0.1,max_freq=3]")
     p.add_argument("--capacity-blocks", help="comma list of block counts for the kv-* policies (instead of --capacity)")
+    p.add_argument("--host-capacity",
+                   help="comma list of host-tier sizes (SGLang's HiCache, write_back): sglang+ and marconi run "
+                        "with each beside each --capacity; 0 runs them without a host tier")
+    p.add_argument("--host-alpha", type=_host_alpha, default=1.0,
+                   help="marconi's host ranking: recency + A x FLOPs saved per byte (default 1: equal weights; "
+                        "'device': the device's alpha in force)")
     p.add_argument("--json", help="write the runs here")
     p.add_argument("--plot", help="write a PNG of hit rate and FLOPs saved against capacity")
     p.add_argument("--alpha", type=float, help="fix Marconi's alpha instead of tuning it")
@@ -120,6 +146,9 @@ def run(args: argparse.Namespace) -> list[RunResult]:
     if args.limit is not None and args.limit < 1:
         raise MarconiError(f"--limit must be >= 1, got {args.limit}")
     capacities = parse_capacities(args.capacity)
+    host_capacities = parse_host_capacities(args.host_capacity) if args.host_capacity else [0]
+    if args.host_capacity and not any(map(has_host_tier, policies)):
+        raise MarconiError("--host-capacity gives sglang+ and marconi a host tier, and --policies names neither")
     blocks = parse_counts(args.capacity_blocks, "--capacity-blocks") if args.capacity_blocks else None
     if blocks and not any(map(is_kv_policy, policies)):
         raise MarconiError("--capacity-blocks sizes only kv-* policies, and --policies names none")
@@ -156,32 +185,37 @@ def run(args: argparse.Namespace) -> list[RunResult]:
             config = tuning
             if policy_name == "marconi" and args.alpha is None:  # tuned: the sample rate may depend on capacity
                 config = shadow_config_for(workload, profile, capacity, tuning, args.tune_sample_rate)
-            policy = build_policy(policy_name, profile, capacity, alpha=args.alpha, block_size=args.block_size,
-                                  swa_share=args.swa_share,
-                                  checkpoint_grid=args.checkpoint_grid, tuning=config, probation=args.probation)
-            runs.append(replay(workload, policy, profile, capacity, **replay_args))
-            if hasattr(policy, "request_records"):  # SWA policies: hit-end reasons per request
-                runs[-1].per_request.update(policy.request_records())
+            for host in host_capacities if has_host_tier(policy_name) else [0]:
+                policy = build_policy(policy_name, profile, capacity, alpha=args.alpha, block_size=args.block_size,
+                                      swa_share=args.swa_share, checkpoint_grid=args.checkpoint_grid, tuning=config,
+                                      probation=args.probation, host_capacity=host, host_alpha=args.host_alpha)
+                runs.append(replay(workload, policy, profile, capacity, **replay_args))
+                if hasattr(policy, "request_records"):  # SWA policies: hit-end reasons per request
+                    runs[-1].per_request.update(policy.request_records())
     return runs
 
 
+def _host(run: RunResult) -> int:
+    return run.tiers["host_capacity_bytes"] if run.tiers else 0
+
+
 def format_table(runs: list[RunResult]) -> str:
-    ref = {(r.policy, r.capacity_bytes): r for r in runs}
+    ref = {(r.policy, r.capacity_bytes, _host(r)): r for r in runs}
     bound = next((r for r in runs if r.policy == "infinite"), None)
-    width = max([18, *(len(r.policy) + 2 for r in runs)])
+    width = max([18, *(len(r.label()) + 2 for r in runs)])
     head = (f"{'policy':<{width}}{'capacity':>10}{'tok hit%':>9}{'req hit%':>9}{'FLOPs sv%':>10}{'x sglang+':>10}"
             f"{'x vllm+':>9}{'%of inf':>8}{'states':>8}{'ev leaf/mid':>13}{'choice':>12}{'TTFT p95*':>10}{'wall s':>8}")
     lines = [head, "-" * len(head)]
     for r in runs:
         def ratio(base: str) -> str:
-            other = ref.get((base, r.capacity_bytes))
+            other = ref.get((base, r.capacity_bytes, _host(r)))
             return f"{r.token_hit_rate / other.token_hit_rate:.2f}" if other and other.token_hit_rate else "-"
         share = f"{100 * r.token_hit_rate / bound.token_hit_rate:.0f}" if bound and bound.token_hit_rate else "-"
         cap = "-" if r.policy in CAPACITY_FREE else format_bytes(r.capacity_bytes)
         choice = (r.choices_used() or [""])[-1] if r.policy.startswith("marconi") else ""
         s = r.stats
         lines.append(
-            f"{r.policy:<{width}}{cap:>10}{100 * r.token_hit_rate:>9.2f}{100 * r.request_hit_rate:>9.1f}"
+            f"{r.label():<{width}}{cap:>10}{100 * r.token_hit_rate:>9.2f}{100 * r.request_hit_rate:>9.1f}"
             f"{100 * r.flops_saved_fraction:>10.2f}{ratio('sglang+'):>10}{ratio('vllm+'):>9}{share:>8}"
             f"{s.ssm_states_cached:>8}{f'{s.evictions_leaf}/{s.evictions_intermediate}':>13}{choice:>12}"
             f"{r.modeled_ttft_p95_s:>10.3f}{r.wall_seconds:>8.2f}"
@@ -190,6 +224,31 @@ def format_table(runs: list[RunResult]) -> str:
     kv = [r for r in runs if r.block_cache]
     if kv:
         lines += ["", format_block_table(kv, width)]
+    tiered = [r for r in runs if r.tiers]
+    if tiered:
+        lines += ["", format_tier_table(tiered, width)]
+    return "\n".join(lines)
+
+
+def format_tier_table(runs: list[RunResult], width: int = 18) -> str:
+    """The host-tier runs: hits by tier and the traffic between the tiers."""
+    head = (f"{'host tier':<{width}}{'device':>9}{'host':>9}{'tok hit%':>9}{'dev hit%':>9}{'host hit%':>10}"
+            f"{'req host':>9}{'GB demoted':>11}{'GB loaded':>10}{'GB dropped':>11}{'st dropped':>11}"
+            f"{'host st':>8}{'TTFT p95*':>10}")
+    lines = [head, "-" * len(head)]
+    for r in runs:
+        t = r.tiers
+        dropped = (t["bytes_dropped"] + t["bytes_evicted_host"]) / 1e9
+        states_lost = t["states_dropped"] + t["states_evicted_host"]
+        lines.append(f"{r.policy:<{width}}{format_bytes(r.capacity_bytes):>9}{format_bytes(t['host_capacity_bytes']):>9}"
+                     f"{100 * r.token_hit_rate:>9.2f}{100 * t['device_token_hit_rate']:>9.2f}"
+                     f"{100 * t['host_token_hit_rate']:>10.2f}{t['requests_host_hit']:>9}"
+                     f"{t['bytes_demoted'] / 1e9:>11.1f}{t['bytes_loaded'] / 1e9:>10.1f}{dropped:>11.1f}"
+                     f"{states_lost:>11}{t['host_states_cached']:>8}{r.modeled_ttft_p95_s:>10.3f}")
+    lines.append("dev/host hit%: input tokens served from the device alone / only with the host tier (loaded back); "
+                 "GB dropped: left the cache (device drops and host evictions; duplicates freed not counted); "
+                 "st dropped: states lost either way. * TTFT MODELED, load backs included at the assumed host link "
+                 "bandwidth (sim/host_link.py).")
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ def plot_runs(runs: list[RunResult], path: str | Path, title: str = "") -> Path:
 
     by_policy: dict[str, list[RunResult]] = defaultdict(list)
     for run in runs:
-        by_policy[run.policy].append(run)
+        by_policy[run.label()].append(run)  # a host tier is its own line
     capacities = sorted({r.capacity_bytes for r in runs if r.policy not in ("none", "infinite")}) or [1]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for policy, items in by_policy.items():

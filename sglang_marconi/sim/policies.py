@@ -22,6 +22,8 @@ POLICY_NAMES = ("none", "vllm+", "sglang+", "coverage", "marconi", "marconi-best
 SWA_POLICY_NAMES = ("none", "furiosa", "sglang+", "marconi", "infinite")
 # Policies whose result does not depend on the cache capacity: run once, not per capacity.
 CAPACITY_FREE = ("none", "infinite")
+# Policies with a host tier under `--host-capacity` (`sim/baselines/tiered_radix.py`).
+HOST_TIER_POLICIES = ("sglang+", "marconi")
 
 
 # a comma that starts the next policy, not the next `key=value` of a parameterized one
@@ -50,14 +52,23 @@ def check_policy_name(name: str) -> str:
     return name
 
 
+def has_host_tier(name: str) -> bool:
+    return name.partition(":")[0] in HOST_TIER_POLICIES
+
+
 def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None = None, block_size: int = 32,
                  checkpoint_grid: int = 1, tuning: ShadowConfig | None = None, probation: bool = False,
-                 swa_share: float | None = None):
+                 swa_share: float | None = None, host_capacity: int | None = None, host_alpha: float | None = 1.0):
     """`marconi` tunes alpha unless `alpha` is given; `marconi:A` always fixes alpha = A.
     `probation`: SGLang+ and Marconi keep probationary states (`HybridPrefixCache`).
     A model with sliding-window layers runs the SWA policies (`swa_share`: a static split of the
-    bytes between global and SWA KV; furiosa's default is proportional, the others' one budget)."""
+    bytes between global and SWA KV; furiosa's default is proportional, the others' one budget).
+    `host_capacity` (bytes, > 0) gives SGLang+ and Marconi a host tier (`host_alpha`: Marconi's
+    host ranking weight, None to follow the device's alpha)."""
     base, _, fixed = check_policy_name(name).partition(":")
+    if host_capacity:
+        return _build_host_tier_policy(name, base, fixed, profile, capacity_bytes, host_capacity, alpha, host_alpha,
+                                       checkpoint_grid, tuning, probation)
     if getattr(profile, "has_sliding_window", False) and base not in ("none", "infinite"):
         return _build_swa_policy(name, base, fixed, profile, capacity_bytes, alpha, tuning, swa_share)
     if base == "furiosa":
@@ -78,6 +89,23 @@ def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None
         return coverage(profile, capacity_bytes, checkpoint_grid=checkpoint_grid, probation=probation)
     return marconi(profile, capacity_bytes, alpha=float(fixed) if fixed else alpha,
                    checkpoint_grid=checkpoint_grid, tuning=tuning, probation=probation)
+
+
+def _build_host_tier_policy(name, base, fixed, profile, capacity_bytes, host_capacity, alpha, host_alpha,
+                            checkpoint_grid, tuning, probation):
+    from sglang_marconi.sim.baselines.tiered_radix import marconi_host, sglang_plus_host
+
+    if base not in HOST_TIER_POLICIES:
+        raise MarconiError(f"policy {name!r} has no host-tier model; with a host capacity choose from "
+                           f"{', '.join(HOST_TIER_POLICIES)} or marconi:ALPHA")
+    if getattr(profile, "has_sliding_window", False):
+        raise MarconiError(f"the host-tier model does not cover sliding-window layers ({profile.name})")
+    if probation:
+        raise MarconiError("the host-tier model does not keep probationary states (--probation)")
+    if base == "sglang+":
+        return sglang_plus_host(profile, capacity_bytes, host_capacity, checkpoint_grid=checkpoint_grid)
+    return marconi_host(profile, capacity_bytes, host_capacity, alpha=float(fixed) if fixed else alpha,
+                        host_alpha=host_alpha, checkpoint_grid=checkpoint_grid, tuning=tuning)
 
 
 def _build_swa_policy(name, base, fixed, profile, capacity_bytes, alpha, tuning, swa_share):

@@ -20,6 +20,8 @@ class Outcome:
     hit_tokens: int  # prefix whose prefill was skipped (KV and SSM state both cached)
     overlap_tokens: int = 0  # raw KV overlap with the cache, reusable or not
     states_admitted: int = 0  # SSM checkpoints this request added to the cache
+    host_hit_tokens: int = 0  # of hit_tokens, those only the host tier could serve (loaded back)
+    loaded_bytes: int = 0  # copied host -> device for this request's hit
 
 
 @dataclass(slots=True)

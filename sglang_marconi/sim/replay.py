@@ -8,8 +8,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from sglang_marconi.sim.host_link import modeled_load_seconds
 from sglang_marconi.sim.policy_api import Policy, PolicyStats
 from sglang_marconi.sim.ttft_model import modeled_ttft_seconds
+from sglang_marconi.sim.units import format_bytes
 from sglang_marconi.sim.workload import Workload
 
 try:
@@ -46,6 +48,15 @@ class RunResult:
     # marconi-best: every candidate's token_hit_rate, flops_saved and wall_seconds, and the best
     candidates: dict | None = None
     best_choice: str | None = None
+    # runs with a host tier (`--host-capacity`): host_capacity_bytes, hits by tier, bytes demoted /
+    # loaded / dropped, ... (`tier_fields`; top-level in the JSON)
+    tiers: dict | None = None
+
+    def label(self) -> str:
+        """The policy, and its host tier if it has one."""
+        if not self.tiers:
+            return self.policy
+        return f"{self.policy} +host {format_bytes(self.tiers['host_capacity_bytes'])}"
 
     def choice_history(self) -> list[tuple[int, str]]:
         """(request index, choice) at each adoption: an alpha, 'lru' (SGLang's LRU, which
@@ -74,6 +85,7 @@ class RunResult:
             if out[key] is None:
                 out.pop(key)
         out.update(out.pop("block_cache") or {})
+        out.update(out.pop("tiers") or {})
         return out
 
 
@@ -84,6 +96,8 @@ def replay(workload: Workload, policy: Policy, profile, capacity_bytes: int, *, 
     hits = np.zeros(total, dtype=np.int64)
     overlaps = np.zeros(total, dtype=np.int64)
     states = np.zeros(total, dtype=np.int64)
+    host_hits = np.zeros(total, dtype=np.int64)
+    loaded = np.zeros(total, dtype=np.int64)
     bar = Progress(total, f"{policy.name} @ {capacity_bytes / 1e9:g} GB", progress)
     started = time.perf_counter()
     for i, request in enumerate(workload):
@@ -92,12 +106,18 @@ def replay(workload: Workload, policy: Policy, profile, capacity_bytes: int, *, 
         outcome = policy.serve(request)
         inputs[i], hits[i] = outcome.input_tokens, outcome.hit_tokens
         overlaps[i], states[i] = outcome.overlap_tokens, outcome.states_admitted
+        host_hits[i], loaded[i] = outcome.host_hit_tokens, outcome.loaded_bytes
         bar.update()
     if hasattr(policy, "close"):
         policy.close()  # waits for a tuning replay still in flight
     wall = time.perf_counter() - started
+    per_request = {"overlap_tokens": overlaps.tolist(), "states_admitted": states.tolist()}
+    tiers = None
+    if hasattr(policy, "tier_summary"):  # a host tier: hits by tier, and load backs cost modeled time
+        tiers = tier_fields(policy.tier_summary(), inputs, hits, host_hits, loaded)
+        per_request.update(host_hit_tokens=host_hits.tolist(), loaded_bytes=loaded.tolist())
     run = summarize(policy.name, workload.name, profile, capacity_bytes, inputs, hits, policy.stats(), wall, gpu,
-                    {"overlap_tokens": overlaps.tolist(), "states_admitted": states.tolist()})
+                    per_request, load_bytes=None if tiers is None else loaded, tiers=tiers)
     bar.finish(run)
     return run
 
@@ -133,15 +153,30 @@ def _isatty(stream) -> bool:
         return False
 
 
+def tier_fields(summary: dict, inputs: np.ndarray, hits: np.ndarray, host_hits: np.ndarray,
+                loaded: np.ndarray) -> dict:
+    """A host-tier run's figures: the policy's `tier_summary()` and the hits by tier."""
+    total_in = max(1, int(inputs.sum()))
+    host = int(host_hits.sum())
+    device = int(hits.sum()) - host
+    return {**summary, "device_hit_tokens": device, "host_hit_tokens": host,
+            "device_token_hit_rate": device / total_in, "host_token_hit_rate": host / total_in,
+            "requests_host_hit": int((host_hits > 0).sum()), "loaded_bytes_total": int(loaded.sum())}
+
+
 def summarize(policy: str, workload: str, profile, capacity_bytes: int, inputs: np.ndarray, hits: np.ndarray,
               stats: PolicyStats, wall: float, gpu: str, per_request: dict[str, list],
-              block_cache: dict | None = None) -> RunResult:
-    """A `RunResult` from per-request input and hit tokens: rates, FLOPs saved, MODELED TTFT."""
+              block_cache: dict | None = None, load_bytes: np.ndarray | None = None,
+              tiers: dict | None = None) -> RunResult:
+    """A `RunResult` from per-request input and hit tokens: rates, FLOPs saved, MODELED TTFT (with
+    `load_bytes`, each request's load back added at the assumed host link bandwidth)."""
     total = int(inputs.size)
     zeros = np.zeros(total, dtype=np.int64)
     flops_total_each = profile.prefill_flops_array(zeros, inputs)
     flops_left_each = profile.prefill_flops_array(hits, inputs)
     ttft = modeled_ttft_seconds(flops_left_each, gpu) if total else np.zeros(0)
+    if load_bytes is not None and total:
+        ttft = ttft + modeled_load_seconds(load_bytes, gpu)
     flops_total = float(flops_total_each.sum())
     flops_saved = flops_total - float(flops_left_each.sum())
     return RunResult(
@@ -171,4 +206,5 @@ def summarize(policy: str, workload: str, profile, capacity_bytes: int, inputs: 
             "modeled_ttft_s": np.round(ttft, 6).tolist(),
         },
         block_cache=block_cache,
+        tiers=tiers,
     )

@@ -33,6 +33,14 @@ def parse_capacities(text: str) -> list[int]:
     return [parse_bytes(t) for t in items]
 
 
+def parse_host_capacities(text: str) -> list[int]:
+    """`--host-capacity`: byte sizes as `parse_capacities`, where 0 means no host tier."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise MarconiError(f"no host capacity given in {text!r}")
+    return [0 if _PATTERN.match(t) and float(_PATTERN.match(t).group(1)) == 0 else parse_bytes(t) for t in items]
+
+
 def parse_counts(text: str, what: str = "capacity") -> list[int]:
     """A comma list of positive integers, e.g. block counts `1000,5000`."""
     items = [t.strip() for t in text.split(",") if t.strip()]

@@ -1,0 +1,131 @@
+"""What a device eviction does with what it evicts, under a host tier: demote it or drop it.
+
+Each rule is a function of one node's facts (`EvictionFacts`), nothing else, so a serving engine
+can ask it about its own tree node exactly as the simulator's `TieredPrefixCache` does.
+
+`UpstreamWriteBack` is SGLang 0.5.23's `--hicache-write-policy write_back` for hybrid trees, as
+its source reads (`unified_radix_cache.py`, `unified_cache/unified_tree_core.py`,
+`unified_cache/components/mamba.py`):
+
+- A node leaves the device whole (a device leaf, `evict_device_leaf`): if its KV has no host copy
+  (`not node.backuped`) it is backed up first, KV and the node's device Mamba state together
+  (`_build_backup_kv_action` -> `build_backup_spec`), then demoted; if the host cannot make room
+  for the KV even after its own eviction (`evict_host`), the node and its host-only subtree are
+  dropped (`drop_subtree_no_host`). If its KV already has a host copy, it is demoted in place
+  (`_demote`: no backup is built), and a Mamba state that lives only on the device is freed with
+  the device KV (`_cascade_evict`): the state is lost.
+- A node's Mamba state leaves the device alone (Mamba-slot pressure on an internal node,
+  `MambaComponent._evict_device_next_node`): backed up first (`InternalStateBackup` ->
+  `backup_node_for_write_back`, KV and state) only if the node's KV has no host copy and is on
+  the device; otherwise the state is tombstoned with no copy. A failed backup tombstones it too.
+- So the issue's "internal-node Mamba states are dropped on write-back" is, in 0.5.23, true
+  exactly where the node's KV already has a host copy: after a load back (host copies stay), or
+  on a branch node split off such a node, which is where Marconi's admission puts its most shared
+  state. The comment in `finalize_match_result_in_tree_core` says as much ("incremental
+  persistence of a new branching state is currently write-through only; write-back eviction may
+  discard the device-only state"). SGLang #40680 (open) proposes backing those up too.
+
+`MarconiTiering`: keep on the host what is worth its bytes there. A leaf that holds a state (or
+whose KV the host-resident nodes below it need) is demoted with its state, and a state evicted
+alone (its KV stays on the device, where its child needs it) is demoted, whatever already has a
+host copy; but the host admits what is not forced only if the candidates it would displace rank
+below it (recency + alpha x FLOPs saved per byte, the host's own candidates and budget): else it
+is dropped. A leaf without a state saves no prefill anywhere: it is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglang_marconi.policy.eviction import FlopAwareEviction
+from sglang_marconi.policy.eviction.flop_aware import check_alpha
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionFacts:
+    """One device eviction, as the rule sees it."""
+
+    frees_kv: bool  # the node leaves the device whole (a device leaf); False: only its state does
+    kv_on_host: bool  # its KV already has a host copy (SGLang's `node.backuped`)
+    state_on_device: bool
+    state_on_host: bool
+    host_descendants: bool  # host-resident nodes below it reach the root only through its KV
+
+    @property
+    def has_state(self) -> bool:
+        return self.state_on_device or self.state_on_host
+
+
+@dataclass(frozen=True, slots=True)
+class Demotion:
+    """What a host copy exists of once the eviction is done (copied now where there was none)."""
+
+    kv: bool
+    state: bool
+    # True: the host takes it only if what it would displace ranks below it, else it is dropped.
+    # False: the host makes room by its own eviction order, whatever that displaces.
+    ranked: bool = False
+
+
+class UpstreamWriteBack:
+    """SGLang 0.5.23's write_back eviction (see the module docstring), LRU on the host."""
+
+    name = "upstream-write-back"
+    reclaims_state_duplicates = False  # only Full KV host duplicates are reclaimed (`_reclaim_full_host_duplicates`)
+    host_evicts_states = False  # under KV pressure the host evicts host leaves only (FullComponent.drive_host_eviction)
+    drops_stateless_host_leaves = False  # a KV-only host node stays until LRU reaches it
+
+    def demotion(self, facts: EvictionFacts) -> Demotion:
+        if not facts.kv_on_host:  # not backed up: the backup carries the node's device state with it
+            return Demotion(kv=True, state=facts.has_state)
+        return Demotion(kv=True, state=facts.state_on_host)  # demoted in place: a device-only state is lost
+
+    def host_alpha(self, device_eviction) -> float:
+        return 0.0
+
+
+class MarconiTiering:
+    """Demote by value per byte against the host's own candidates, ranked by recency + `alpha` x
+    FLOPs saved per byte. The default weighs the two normalized terms equally: the device's tuner
+    sees the device tier alone, so its alpha is no evidence for the host (`alpha=None` follows it
+    anyway: the device's FLOP-aware alpha in force, 0 while it runs another choice)."""
+
+    name = "marconi"
+    reclaims_state_duplicates = True
+    host_evicts_states = True  # a host-only state of a node with <= 1 child is a candidate on its own
+    drops_stateless_host_leaves = True  # a host-only leaf without a state can serve no hit
+
+    def __init__(self, alpha: float | None = 1.0):
+        self.alpha = None if alpha is None else check_alpha(alpha)
+
+    def demotion(self, facts: EvictionFacts) -> Demotion:
+        if not facts.frees_kv:  # a state alone: its KV stays on the device
+            return Demotion(kv=facts.kv_on_host, state=True, ranked=True)
+        forced = facts.host_descendants  # dropping this KV would drop the host nodes below it
+        keep = facts.has_state or forced
+        return Demotion(kv=keep, state=facts.has_state, ranked=keep and not forced)
+
+    def host_alpha(self, device_eviction) -> float:
+        if self.alpha is not None:
+            return self.alpha
+        return device_eviction.alpha if isinstance(device_eviction, FlopAwareEviction) else 0.0
+
+
+def host_candidate_bytes(rules, *, locked: bool, is_root: bool, kv_on_device: bool, kv_on_host: bool,
+                         state_on_device: bool, state_on_host: bool, n_children: int, kv_bytes: int,
+                         state_bytes: int) -> int | None:
+    """The host bytes evicting one node from the host frees, None if it is no host candidate under
+    `rules`: a host-only leaf goes whole (its KV and its state), and, where the rules evict states
+    on the host (`host_evicts_states`), a host-only state of a node with at most one child goes
+    alone. One rule for the simulator's `TieredPrefixCache` and the served HiCache tree
+    (`serving/host_tier.py`)."""
+    if locked or is_root:
+        return None
+    if not kv_on_device and not n_children:
+        return (kv_bytes if kv_on_host else 0) + (state_bytes if state_on_host else 0)
+    if rules.host_evicts_states and state_on_host and not state_on_device and n_children <= 1:
+        return state_bytes
+    return None
+
+
+TIER_RULES = {"sglang+": UpstreamWriteBack, "marconi": MarconiTiering}

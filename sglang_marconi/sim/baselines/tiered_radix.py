@@ -1,0 +1,93 @@
+"""SGLang+ and Marconi with a host tier (`--host-capacity`), on the simulator's `Policy` interface.
+
+Both run the policy core's `TieredPrefixCache` with Marconi's admission. `sglang+` is upstream
+HiCache write_back: SGLang's LRU on the device, `UpstreamWriteBack` deciding what a device
+eviction writes to the host, LRU on the host. `marconi` is FLOP-aware eviction on the device
+(alpha tuned online by device shadow caches, as without a host tier, or fixed) and
+`MarconiTiering`: demote or drop by FLOPs saved per byte with recency, the host ranking its own
+candidates (`host_alpha`: its weight of FLOPs per byte against recency, None to follow the
+device's alpha). The tuner's shadows model the device tier alone: they choose how the device
+evicts, not what the host keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import numpy as np
+
+from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction
+from sglang_marconi.policy.shadow_tuner import ShadowConfig, ShadowTuner, adopt_choice, eviction_for
+from sglang_marconi.policy.tier_rules import MarconiTiering, UpstreamWriteBack
+from sglang_marconi.policy.tiered_cache import TieredPrefixCache
+from sglang_marconi.sim.policy_api import Outcome, PolicyStats
+from sglang_marconi.sim.workload import Request
+
+
+class TieredRadixPolicy:
+    def __init__(self, name: str, profile, capacity_bytes: int, host_capacity_bytes: int, rules,
+                 eviction: EvictionPolicy, *, checkpoint_grid: int = 1, tuning: ShadowConfig | None = None):
+        self.name = name
+        self.tuner = None
+        if tuning is not None:
+            self.tuner = ShadowTuner(profile, capacity_bytes, tuning, checkpoint_grid=checkpoint_grid)
+            eviction = eviction_for(self.tuner.current)
+        self.cache = TieredPrefixCache(profile, capacity_bytes, host_capacity_bytes, rules, eviction,
+                                       checkpoint_grid=checkpoint_grid)
+        self.served = 0
+        self.history = [(0, getattr(eviction, "alpha", 0.0), eviction.name)]
+
+    def serve(self, request: Request) -> Outcome:
+        cache, inp = self.cache, request.input_tokens
+        lookup = cache.lookup(inp)
+        seq = np.concatenate((inp, np.asarray(request.output_tokens, dtype=np.int64)))
+        admitted = cache.admit(seq, lookup.checkpoint_at)
+        self.served += 1
+        if self.tuner is not None:
+            choice = self.tuner.observe(request.session_id, inp, request.output_tokens, sequence=seq)
+            if choice is not None:
+                adopt_choice(cache, choice)
+                e = cache.eviction
+                self.history.append((self.served, getattr(e, "alpha", 0.0), e.name))
+        return Outcome(request.input_len, lookup.hit_tokens, lookup.overlap_tokens, admitted,
+                       host_hit_tokens=lookup.host_hit_tokens, loaded_bytes=lookup.loaded_bytes)
+
+    def stats(self) -> PolicyStats:
+        c = self.cache
+        return PolicyStats(
+            kv_tokens_cached=c.kv_tokens,
+            ssm_states_cached=c.ssm_states,
+            bytes_used=c.used_bytes,
+            evictions_leaf=c.counters.evictions_leaf,
+            evictions_intermediate=c.counters.evictions_single_child,
+            admissions_skipped=c.counters.admissions_skipped,
+            alpha_history=[(at, alpha) for at, alpha, _ in self.history],
+            eviction_history=[(at, name) for at, _, name in self.history],
+            tuning_seconds=self.tuner.log.seconds if self.tuner else 0.0,
+        )
+
+    def tier_summary(self) -> dict:
+        """The host tier's size, contents at the end and traffic over the run."""
+        c = self.cache
+        alpha = c.rules.alpha if isinstance(c.rules, MarconiTiering) else 0.0
+        return {"host_capacity_bytes": c.host_capacity_bytes, "host_rules": c.rules.name,
+                "host_alpha": "device" if alpha is None else alpha, "host_bytes_used": c.host_used_bytes,
+                "host_states_cached": c.host_states, **asdict(c.counters)}
+
+
+def sglang_plus_host(profile, capacity_bytes: int, host_capacity_bytes: int, *,
+                     checkpoint_grid: int = 1) -> TieredRadixPolicy:
+    return TieredRadixPolicy("sglang+", profile, capacity_bytes, host_capacity_bytes, UpstreamWriteBack(),
+                             LruLeafEviction(), checkpoint_grid=checkpoint_grid)
+
+
+def marconi_host(profile, capacity_bytes: int, host_capacity_bytes: int, *, alpha: float | None = None,
+                 host_alpha: float | None = 1.0, checkpoint_grid: int = 1,
+                 tuning: ShadowConfig | None = None) -> TieredRadixPolicy:
+    """alpha=None tunes the device's eviction choice online; host_alpha=None follows the device's alpha."""
+    rules = MarconiTiering(host_alpha)
+    if alpha is None:
+        return TieredRadixPolicy("marconi", profile, capacity_bytes, host_capacity_bytes, rules, FlopAwareEviction(0.0),
+                                 checkpoint_grid=checkpoint_grid, tuning=tuning or ShadowConfig())
+    return TieredRadixPolicy(f"marconi(alpha={alpha:g})", profile, capacity_bytes, host_capacity_bytes, rules,
+                             FlopAwareEviction(alpha), checkpoint_grid=checkpoint_grid)

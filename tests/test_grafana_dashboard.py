@@ -53,7 +53,8 @@ def test_committed_json_is_what_the_script_writes():
 def test_panels_cover_hits_flops_choice_evictions_and_tuner_health():
     script = _script()
     named = script.metric_names(script.build())
-    for needed in ("marconi_token_hit_rate", "marconi_prefill_flops_saved", "marconi_choice", "marconi_shadow_score",
+    for needed in ("marconi_token_hit_rate", "marconi_device_hit_tokens", "marconi_host_hit_tokens",
+                   "marconi_prefill_flops_saved", "marconi_choice", "marconi_shadow_score",
                    "marconi_evictions_leaf", "marconi_evictions_window", "marconi_tuning_failures",
                    "marconi_tuner_requests_observed", "marconi_sync_waits_late"):
         assert needed in named, needed

@@ -241,12 +241,17 @@ class ServedCache:
         was never fed back)."""
         inp = as_token_array(input_tokens)
         out = np.asarray(output_tokens, dtype=np.int64)
-        n_in, n_out = len(inp), max(1, len(out))
         seq = np.concatenate((inp, out[:-1])) if len(out) > 1 else inp
+        return self.serve_kept(seq, len(inp))
+
+    def serve_kept(self, seq: np.ndarray, n_in: int) -> ServedOutcome:
+        """`serve` of a request given as what the cache keeps of it: input + output[:-1] (`seq`,
+        what the runtime feeds the tuner) and the input's length."""
+        n_out = len(seq) - n_in + 1
         pools = self.pools
         step = pools.snapshot_step if pools.extra_buffer else None
         # Req.init_next_round_input: match input[:n_in - 1], copy-on-write the state hit
-        best, full_hit = self._match(inp[: n_in - 1])
+        best, full_hit = self._match(seq[: n_in - 1])
         hit = best.end
         req = _Request(n_in, hit, hit, full_hit if full_hit > hit else None)
         if best.state:
@@ -656,10 +661,32 @@ class ServedCache:
                 index.add(node, node.state_time, self._value(node, leaf))
         return index.lowest(self.weight) if len(index) else None
 
+    def peek_hit(self, input_tokens) -> int:
+        """The hit `serve` would report for this input, changing nothing."""
+        key = input_tokens[: len(input_tokens) - 1]
+        node, pos, hit = self.root, 0, 0
+        while pos < len(key):
+            child = node.children.get(int(key[pos]))
+            if child is None:
+                break
+            m = self._common(child.tokens, key, pos)
+            if m < len(child.tokens):
+                break
+            node, pos = child, pos + m
+            if node.state:
+                hit = node.end
+        return hit
+
+    def may_evict(self, n_in: int, n_kept: int) -> bool:
+        """Whether serving a request of `n_in` input tokens that keeps `n_kept` could evict: it
+        allocates at most its kept tokens + 1 KV slots and its own slots + 2 Mamba slots (a branch
+        state and a probationary one)."""
+        return self.kv_free < n_kept + 1 or self.mamba_free < self.pools.request_slots + 2
+
     # -- copies and checks -----------------------------------------------------------------------
     def copy(self, choice=None) -> ServedCache:
         """An independent copy (a tuner's shadows fork from one), optionally under another choice."""
-        clone = copy.deepcopy(self)
+        clone = copy.deepcopy(self, {id(self.profile): self.profile})
         if choice is not None:
             clone.set_choice(choice)
         return clone

@@ -28,8 +28,8 @@ from sglang_marconi.sim.hindsight import BEST, replay_best
 from sglang_marconi.sim.kv_blocks.registry import build_block_cache, is_kv_policy
 from sglang_marconi.sim.kv_blocks.replay import replay_blocks
 from sglang_marconi.sim.kv_blocks.view import BlockTrace, block_trace, kv_capacities
-from sglang_marconi.sim.policies import (CAPACITY_FREE, SWA_POLICY_NAMES, build_policy, check_policy_name,
-                                         split_policies)
+from sglang_marconi.sim.policies import (CAPACITY_FREE, SERVED_POLICY_NAMES, SWA_POLICY_NAMES, build_policy,
+                                         check_policy_name, split_policies)
 from sglang_marconi.sim.replay import RunResult, replay
 from sglang_marconi.sim.traces import DEFAULT_WORKLOAD, MOONCAKE_TOKEN_MODES, load_workload
 from sglang_marconi.sim.tuning import shadow_config_for
@@ -104,6 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swa-share", type=float,
                    help="sliding-window models: the SWA KV pool's share of --capacity (a static split); "
                         "default: furiosa's proportional split, one budget for sglang+ and marconi")
+    served = p.add_argument_group("the served cache (SGLang's radix cache with the marconi backend, modeled request by "
+                                  "request: policy/served_cache.py); --kv-tokens and --mamba-slots select it")
+    served.add_argument("--kv-tokens", type=int, help="the server's KV pool, in token slots (instead of --capacity)")
+    served.add_argument("--mamba-slots", type=int, help="the server's Mamba pool, in state slots (running requests' included)")
+    served.add_argument("--mamba-radix-cache-strategy", default="no_buffer", choices=("no_buffer", "extra_buffer"),
+                        help="SGLang's Mamba strategy (default no_buffer; extra_buffer is SGLang's GPU default)")
+    served.add_argument("--chunked-prefill-size", type=int, help="SGLang's prefill chunk (default: one extend per prompt)")
+    served.add_argument("--mamba-cache-chunk-size", type=int, default=64,
+                        help="extra_buffer: SGLang's prefill snapshot grid (the model's mamba_chunk_size; 64)")
+    served.add_argument("--mamba-track-interval", type=int, default=256,
+                        help="extra_buffer: decode snapshots every lcm(this, --mamba-cache-chunk-size) tokens (256)")
+    served.add_argument("--tune-sync-every", type=int, default=32,
+                        help="tuned marconi: requests between the server's sync points (--marconi-tune-sync-every)")
     p.add_argument("--no-progress", action="store_true")
     add_cluster_arguments(p)  # --workers N --routers LIST: the cluster replay (sim/cluster)
     return p
@@ -119,11 +132,18 @@ def run(args: argparse.Namespace) -> list[RunResult]:
         raise MarconiError(f"--block-size must be >= 1, got {args.block_size}")
     if args.limit is not None and args.limit < 1:
         raise MarconiError(f"--limit must be >= 1, got {args.limit}")
+    served = served_pools_of(args)
     capacities = parse_capacities(args.capacity)
     blocks = parse_counts(args.capacity_blocks, "--capacity-blocks") if args.capacity_blocks else None
     if blocks and not any(map(is_kv_policy, policies)):
         raise MarconiError("--capacity-blocks sizes only kv-* policies, and --policies names none")
     profile = load_profile(args.model)
+    if served is not None:
+        from sglang_marconi.sim.baselines.served import served_capacity_bytes
+
+        capacities = [served_capacity_bytes(profile, served)]  # reported only: the pools decide
+        if args.policies == DEFAULT_POLICIES:
+            policies = list(SERVED_POLICY_NAMES)
     if profile.has_sliding_window and args.policies == DEFAULT_POLICIES:
         policies = list(SWA_POLICY_NAMES)  # the default list names policies that model no windows
     workload = load_workload(args.trace or args.workload or DEFAULT_WORKLOAD, args.mooncake_tokens)
@@ -154,15 +174,29 @@ def run(args: argparse.Namespace) -> list[RunResult]:
                                         probation=args.probation, **replay_args))
                 continue
             config = tuning
-            if policy_name == "marconi" and args.alpha is None:  # tuned: the sample rate may depend on capacity
+            if policy_name == "marconi" and args.alpha is None and served is None:  # tuned: the sample rate may depend on capacity
                 config = shadow_config_for(workload, profile, capacity, tuning, args.tune_sample_rate)
             policy = build_policy(policy_name, profile, capacity, alpha=args.alpha, block_size=args.block_size,
-                                  swa_share=args.swa_share,
+                                  swa_share=args.swa_share, served=served, sync_every=args.tune_sync_every,
                                   checkpoint_grid=args.checkpoint_grid, tuning=config, probation=args.probation)
             runs.append(replay(workload, policy, profile, capacity, **replay_args))
             if hasattr(policy, "request_records"):  # SWA policies: hit-end reasons per request
                 runs[-1].per_request.update(policy.request_records())
     return runs
+
+
+def served_pools_of(args: argparse.Namespace):
+    """The served cache's pools from the command line (`--kv-tokens`, `--mamba-slots`, ...), or None."""
+    if args.kv_tokens is None and args.mamba_slots is None:
+        return None
+    if args.kv_tokens is None or args.mamba_slots is None:
+        raise MarconiError("--kv-tokens and --mamba-slots go together (the server's two pools)")
+    import math
+
+    from sglang_marconi.policy.served_cache import ServedPools
+
+    return ServedPools(args.kv_tokens, args.mamba_slots, args.mamba_radix_cache_strategy, args.chunked_prefill_size,
+                       args.mamba_cache_chunk_size, math.lcm(args.mamba_cache_chunk_size, args.mamba_track_interval))
 
 
 def format_table(runs: list[RunResult]) -> str:

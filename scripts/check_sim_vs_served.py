@@ -160,22 +160,40 @@ def run(requests, profile_name: str, kv_tokens: int, mamba_slots: int, strategy:
         workload_name: str = "?", sync_every: int = 32) -> Report:
     """Replay `requests` through SGLang's cache and the simulator's model of it; the report."""
     warnings.filterwarnings("ignore")
-    from sglang_cpu import build_marconi_serving, node_depth, run_request
+    import sglang_cpu  # noqa: F401 (SGLang's Python tree core, set before SGLang loads)
 
     from sglang_marconi.policy.model_profile import load_profile
+    from sglang_marconi.serving.two_pass_prefill import install_two_pass_prefill_hook
+
+    profile = load_profile(profile_name)
+    if profile.has_sliding_window or profile.ssm_state_bytes <= 0:
+        raise SystemExit(f"{profile_name}: the served-cache model covers SSM hybrids")
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_marconi.serving import two_pass_prefill
+
+    hooked = any(h is hook for target, hook in two_pass_prefill._HOOKS for _, h, _ in HookRegistry._hooks.get(target, ()))
+    install_two_pass_prefill_hook(apply_now=True)  # what the plugin registers in a scheduler
+    try:
+        return _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chunk, alpha, probation,
+                    shadows, workload_name, sync_every)
+    finally:
+        if not hooked:
+            two_pass_prefill.uninstall_two_pass_prefill_hook()
+
+
+def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chunk, alpha, probation, shadows,
+         workload_name, sync_every) -> Report:
+    from sglang_cpu import build_marconi_serving, node_depth, run_request
+
     from sglang_marconi.policy.served_cache import ServedPools
     from sglang_marconi.policy.shadow_tuner import LRU, ShadowTuner, choice_label
     from sglang_marconi.serving.admission import chunk_end_for_branch
     from sglang_marconi.serving.config import MarconiServingConfig
     from sglang_marconi.serving.eviction_settings import MarconiVictim
     from sglang_marconi.serving.runtime import served_pools
-    from sglang_marconi.serving.two_pass_prefill import install_two_pass_prefill_hook
     from sglang_marconi.sim.policies import build_policy
 
-    profile = load_profile(profile_name)
-    if profile.has_sliding_window or profile.ssm_state_bytes <= 0:
-        raise SystemExit(f"{profile_name}: the served-cache model covers SSM hybrids")
-    install_two_pass_prefill_hook(apply_now=True)  # what the plugin registers in a scheduler
     tuned = alpha == "auto"
     choice = None if tuned else (LRU if alpha == LRU else float(alpha))
     if shadows and tuned:

@@ -189,6 +189,7 @@ class ServedCache:
         self.mamba_used = 0  # tree states + the running request's slots + a state being inserted
         self.tree_states = 0
         self._mamba_lru: OrderedDict[int, _Node] = OrderedDict()  # stated nodes, least recent first
+        self._childless: dict[int, _Node] = {}  # nodes without children (leaves, locked or not)
         self._probation: dict[int, _Node] = {}
         self._flops: dict[tuple[int, int], float] = {}
         self.served = 0
@@ -488,6 +489,8 @@ class ServedCache:
         if pos < n:
             leaf = self._new_node(node, key[pos:].copy(), n)
             node.children[int(key[pos])] = leaf
+            self._childless.pop(node.id, None)
+            self._childless[leaf.id] = leaf
             node, new_leaf = leaf, True
         else:
             new_leaf = False
@@ -605,8 +608,12 @@ class ServedCache:
         n = len(node.tokens)
         self.tree_kv -= n
         self.kv_used -= n
-        del node.parent.children[int(node.tokens[0])]
+        parent = node.parent
+        del parent.children[int(node.tokens[0])]
         node.parent = None
+        del self._childless[node.id]
+        if not parent.children and parent is not self.root:
+            self._childless[parent.id] = parent
 
     def _lru_unlocked_state(self) -> _Node | None:
         for node in self._mamba_lru.values():
@@ -646,18 +653,17 @@ class ServedCache:
 
     def _kv_victim(self) -> _Node | None:
         index = CandidateIndex()
-        for node in sorted(self._nodes(), key=lambda n: n.id):
-            if self._is_leaf(node):
-                index.add(node, node.last_access, self._value(node, True) if node.state else 0.0)
+        for node in sorted((n for n in self._childless.values() if not n.full_lock and not n.mamba_lock),
+                           key=lambda n: n.id):
+            index.add(node, node.last_access, self._value(node, True) if node.state else 0.0)
         return index.lowest(self.weight) if len(index) else None
 
     def _mamba_victim(self) -> _Node | None:
         index = CandidateIndex()
-        for node in sorted(self._mamba_lru.values(), key=lambda n: n.id):
-            if node.mamba_lock:
-                continue
+        for node in sorted((n for n in self._mamba_lru.values() if not n.mamba_lock and len(n.children) <= 1),
+                           key=lambda n: n.id):
             leaf = self._is_leaf(node)
-            if leaf or len(node.children) == 1:
+            if leaf or node.children:
                 index.add(node, node.state_time, self._value(node, leaf))
         return index.lowest(self.weight) if len(index) else None
 
@@ -718,6 +724,7 @@ class ServedCache:
                 assert child.parent is node and int(child.tokens[0]) == key
             assert node.full_lock == 0 and node.mamba_lock == 0, f"locked while idle: {node!r}"
         assert kv == self.tree_kv == self.kv_used, (kv, self.tree_kv, self.kv_used)
+        assert {n.id for n in self._nodes() if not n.children} == set(self._childless)
         assert states == self.tree_states == self.mamba_used, (states, self.tree_states, self.mamba_used)
         assert kv <= self.pools.kv_tokens and states <= self.pools.mamba_slots
         for node in self._probation.values():

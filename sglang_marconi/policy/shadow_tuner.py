@@ -665,6 +665,10 @@ class ServedShadow:
             return 0
         return self.cache.serve_kept(match.seq, match.input_len).states_admitted
 
+    @property
+    def probation(self) -> bool:
+        return self.cache.probation
+
     def snapshot(self) -> ServedCache:
         return self.cache  # `restore_shadow` copies it
 

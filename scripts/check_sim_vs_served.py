@@ -1,7 +1,7 @@
 """Does the simulator describe the server, request by request?
 
     python scripts/check_sim_vs_served.py --workload synthetic:lmsys[:key=value,...] | --trace FILE
-        --model nemotron-h-8b --kv-tokens N --mamba-slots M
+        --model PROFILE --kv-tokens N (--mamba-slots M | --kind sliding-window --swa-tokens S)
         [--mamba-radix-cache-strategy no_buffer|extra_buffer] [--chunked-prefill-size N]
         [--alpha A|lru|auto] [--probation on|off] [--shadows] [--limit N] [--json OUT]
 
@@ -28,9 +28,20 @@ the totals agree within 0.5%, 1 otherwise.
 given what the live cache was given (`runtime.served_pools`), fed every request; the shadow of the
 live cache's choice must predict the live cache's hits within the same bound.
 
-`--kind sliding-window` is refused: the model covers SSM hybrids (`--swa-tokens` is accepted for
-the interface's sake). The tiny CPU model (8 layers, 2 attention) stands in for `--model`, whose
-profile only prices FLOPs and bytes (what eviction ranks by); pools are in tokens and slots.
+`--kind sliding-window --swa-tokens S` (a profile with sliding-window layers, e.g. gpt-oss-20b):
+served is SGLang's SWA cache with the `marconi` backend as its factory builds it (Marconi's SWA
+component, cache class and `SWARuntime`; `tests/serving/sglang_swa_cpu.py`), each request through
+the scheduler's calls (match with SGLang's SWA validator and branching seqlen, lock, allocation,
+prefill chunks, `checkpoint_kv_cache`, decode with the scheduler's out-of-window SWA freeing,
+`release_kv_cache`) on a full-KV pool of `--kv-tokens` and an SWA pool of `--swa-tokens`;
+simulated is the simulator's `marconi` SWA policy on those two pools as served
+(`sim/baselines/swa_radix.served_marconi_swa`, `python -m sglang_marconi.sim --kv-tokens N
+--swa-tokens S`), which is also what the SWA runtime's window shadows run. `--shadows`: the window
+tuner the runtime builds (`SWARuntime.tuner_spec`), fed every request.
+
+The tiny CPU models (SSM: 8 layers, 2 attention; SWA: 4 layers, 3 sliding) stand in for `--model`,
+whose profile prices FLOPs and bytes (what eviction ranks by) and, for SWA, gives the window; pools
+are in tokens and slots.
 """
 
 from __future__ import annotations
@@ -88,9 +99,13 @@ class Report:
 
     def lines(self) -> list[str]:
         c = self.config
+        if c.get("kind") == "sliding-window":
+            pools = f"KV {c['kv_tokens']} tokens, SWA {c['swa_tokens']} tokens (window {c['window']}), chunk {c['chunk']}"
+        else:
+            pools = (f"KV {c['kv_tokens']} tokens, {c['mamba_slots']} Mamba slots, {c['strategy']}, chunk "
+                     f"{c['chunk']}")
         out = [f"{c['workload']} on {c['model']}: {self.requests} requests, {self.input_tokens:,} input tokens; "
-               f"KV {c['kv_tokens']} tokens, {c['mamba_slots']} Mamba slots, {c['strategy']}, chunk "
-               f"{c['chunk']}, alpha {c['alpha']}, probation {'on' if c['probation'] else 'off'}",
+               f"{pools}, alpha {c['alpha']}, probation {'on' if c['probation'] else 'off'}",
                f"requests with identical hits: {self.agree}/{self.requests} ({100 * self.share:.2f}%)",
                f"total hit tokens: served {self.served_hits:,}, simulated {self.sim_hits:,} "
                f"({100 * self.totals_gap:.3f}% apart; token hit rate served "
@@ -269,6 +284,90 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
         input_tokens=int(sum(r.input_len for r in requests)), first=first, wall_s=wall, shadow=shadow)
 
 
+def run_swa(requests, profile_name: str, kv_tokens: int, swa_tokens: int, chunk: int | None = None, alpha="auto",
+            shadows: bool = False, workload_name: str = "?", sync_every: int = 32) -> Report:
+    """Replay `requests` through SGLang's SWA cache with the `marconi` backend and the simulator's
+    served SWA policy (`--kind sliding-window`); the report."""
+    warnings.filterwarnings("ignore")
+    import dataclasses
+
+    import sglang_swa_cpu  # noqa: F401 (SGLang's Python tree core, set before SGLang loads)
+    from sglang_swa_cpu import build_marconi_swa_serving, run_swa_request
+
+    from sglang_marconi.policy.model_profile import load_profile
+    from sglang_marconi.policy.shadow_tuner import choice_label
+    from sglang_marconi.serving.config import MarconiServingConfig
+    from sglang_marconi.sim.baselines.swa_radix import served_marconi_swa
+
+    profile = load_profile(profile_name)
+    if not profile.has_sliding_window or profile.n_ssm_layers:
+        raise SystemExit(f"{profile_name}: --kind sliding-window needs a profile with sliding-window layers and no SSM")
+    tuned = alpha == "auto"
+    config = MarconiServingConfig(alpha=None if tuned else float(alpha), tune_workers=0, tune_sync_every=sync_every)
+    if shadows and tuned:
+        raise SystemExit("--shadows compares the shadow of a fixed alpha with the live cache: give --alpha A")
+    longest = max(r.input_len + r.output_len for r in requests)
+    cc, runtime = build_marconi_swa_serving(config, profile, kv_size=kv_tokens, swa_size=swa_tokens,
+                                            max_context_len=max(4096, 2 * longest))
+    policy = served_marconi_swa(profile, kv_tokens, swa_tokens, alpha=None if tuned else float(alpha),
+                                tuning=config.tuning() if tuned else None, sync_every=sync_every)
+    tuner = shadow_hits = None
+    if shadows:
+        spec = runtime.tuner_spec(cc.cache)
+        tuner = dataclasses.replace(spec, config=dataclasses.replace(spec.config, sample_rate=1.0)).build()
+        tuner_choice = tuner.choices.index(float(alpha))
+        shadow_hits = []
+    served, sim = Side(), Side()
+    evicted_served, evicted_sim = [], []  # evictions so far, before each request
+    started = time.perf_counter()
+    adopted = runtime.settings.choice
+    for i, r in enumerate(requests):
+        f, c = cc.settings.figures, policy.cache.counters
+        evicted_served.append(f.evictions_stale + f.evictions_window + f.evictions_leaf + f.evictions_fallback)
+        evicted_sim.append(c.evictions_leaf + c.evictions_window + c.window_trims)
+        served.hits.append(run_swa_request(cc, r.input_tokens.tolist(), r.output_tokens.tolist(), chunk_size=chunk))
+        if runtime.settings.choice != adopted:
+            adopted = runtime.settings.choice
+            served.choices.append((i + 1, choice_label(adopted)))
+        sim.hits.append(policy.serve(r).hit_tokens)
+        if tuner is not None:
+            tuner.observe(r.session_id, r.input_tokens, r.output_tokens[:-1])
+            shadow_hits.append(tuner.last_hits[tuner_choice])
+    wall = time.perf_counter() - started
+    runtime.close()
+    cc.check_no_leak()
+    sim.choices = [(at, choice_label(a)) for at, a in policy.history[1:]]
+    a, b = np.array(served.hits), np.array(sim.hits)
+    differ = np.flatnonzero(a != b)
+    first = None
+    if differ.size:
+        i = int(differ[0])
+        f = cc.settings.figures
+        if evicted_served[i] == evicted_sim[i] == 0:
+            cause = "neither cache had evicted: admission or matching differ"
+        else:
+            cause = (f"evictions before it: served {evicted_served[i]} (SGLang's SWA tree: stale segments, branch "
+                     f"windows, leaves by window_plan; all run: stale {f.evictions_stale}, window "
+                     f"{f.evictions_window}, leaf {f.evictions_leaf}, fallback {f.evictions_fallback}), simulated "
+                     f"{evicted_sim[i]} (window_cache's own ranking: {policy.cache.counters})")
+        if [x for x in served.choices if x[0] <= i] != [x for x in sim.choices if x[0] <= i]:
+            cause += f"; choices adopted differ: served {served.choices[:6]}, simulated {sim.choices[:6]}"
+        first = {"request": i, "served": int(a[i]), "sim": int(b[i]), "cause": cause}
+    shadow = None
+    if tuner is not None:
+        h = np.array(shadow_hits)
+        d = np.flatnonzero(h != a)
+        shadow = {"choice": choice_label(float(alpha)), "agree": int((h == a).sum()), "share": float((h == a).mean()),
+                  "hits": int(h.sum()), "totals_gap": abs(int(h.sum()) - int(a.sum())) / max(1, int(a.sum())),
+                  "first": int(d[0]) if d.size else None}
+    return Report(
+        config={"workload": workload_name, "model": profile_name, "kind": "sliding-window", "kv_tokens": kv_tokens,
+                "swa_tokens": swa_tokens, "window": int(profile.sliding_window), "chunk": chunk, "alpha": alpha,
+                "probation": False, "served_choices": served.choices, "sim_choices": sim.choices},
+        requests=len(requests), agree=int((a == b).sum()), served_hits=int(a.sum()), sim_hits=int(b.sum()),
+        input_tokens=int(sum(r.input_len for r in requests)), first=first, wall_s=wall, shadow=shadow)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -277,13 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mooncake-tokens", default="conversation", choices=("conversation", "blocks"))
     p.add_argument("--model", default="nemotron-h-8b", help="profile pricing FLOPs and bytes (default nemotron-h-8b)")
     p.add_argument("--kv-tokens", type=int, required=True, help="the KV pool, in token slots")
-    p.add_argument("--mamba-slots", type=int, required=True, help="the Mamba pool, in state slots")
+    p.add_argument("--mamba-slots", type=int, help="the Mamba pool, in state slots (--kind ssm)")
     p.add_argument("--mamba-radix-cache-strategy", default="no_buffer", choices=("no_buffer", "extra_buffer"))
     p.add_argument("--chunked-prefill-size", type=int, default=None, help="prefill chunk (default: one extend)")
     p.add_argument("--kind", default="ssm", choices=("ssm", "sliding-window"))
-    p.add_argument("--swa-tokens", type=int, help="sliding-window pool (not modeled: --kind sliding-window is refused)")
+    p.add_argument("--swa-tokens", type=int, help="the SWA KV pool, in token slots (--kind sliding-window)")
     p.add_argument("--alpha", default="auto", help="A (fixed alpha), lru (SGLang's LRU), or auto (tuned online)")
-    p.add_argument("--probation", default="on", choices=("on", "off"))
+    p.add_argument("--probation", default="on", choices=("on", "off"), help="--kind ssm: probationary states")
     p.add_argument("--tune-sync-every", type=int, default=32)
     p.add_argument("--shadows", action="store_true", help="also check the tuner's shadow of the live choice")
     p.add_argument("--limit", type=int, help="the first N requests only")
@@ -292,19 +391,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.kind == "sliding-window":
-        print("error: the served-cache model covers SSM hybrids; sliding-window models are not modeled "
-              "(serving/swa_component.py has no simulator twin yet)", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    swa = args.kind == "sliding-window"
+    if swa and (args.swa_tokens is None or args.mamba_slots is not None):
+        parser.error("--kind sliding-window takes --kv-tokens and --swa-tokens (no --mamba-slots)")
+    if not swa and (args.mamba_slots is None or args.swa_tokens is not None):
+        parser.error("--kind ssm takes --kv-tokens and --mamba-slots (no --swa-tokens)")
     from sglang_marconi.sim.traces import load_workload
 
     workload = load_workload(args.trace or args.workload, args.mooncake_tokens)
     requests = list(workload)[: args.limit] if args.limit else list(workload)
     alpha = args.alpha if args.alpha in ("auto", "lru") else float(args.alpha)
-    report = run(requests, args.model, args.kv_tokens, args.mamba_slots, args.mamba_radix_cache_strategy,
-                 args.chunked_prefill_size, alpha, args.probation == "on", args.shadows,
-                 workload_name=args.trace or args.workload, sync_every=args.tune_sync_every)
+    name = args.trace or args.workload
+    if swa:
+        report = run_swa(requests, args.model, args.kv_tokens, args.swa_tokens, args.chunked_prefill_size, alpha,
+                         args.shadows, workload_name=name, sync_every=args.tune_sync_every)
+    else:
+        report = run(requests, args.model, args.kv_tokens, args.mamba_slots, args.mamba_radix_cache_strategy,
+                     args.chunked_prefill_size, alpha, args.probation == "on", args.shadows,
+                     workload_name=name, sync_every=args.tune_sync_every)
     print("\n".join(report.lines()))
     if args.json:
         path = Path(args.json)

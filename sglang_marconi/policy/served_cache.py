@@ -48,6 +48,7 @@ import numpy as np
 from sglang_marconi.policy import branch_grid
 from sglang_marconi.policy.candidate_index import CandidateIndex
 from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
 from sglang_marconi.policy.radix_tree import as_token_array
 
 NO_BUFFER, EXTRA_BUFFER = "no_buffer", "extra_buffer"
@@ -641,8 +642,7 @@ class ServedCache:
             if len(self._flops) >= 1 << 16:
                 self._flops.clear()
             flops = self._flops[(start, end)] = self.profile.prefill_flops(start, end)
-        freed = self.ssm_state_bytes + (self.kv_bytes_per_token * (end - start) if leaf else 0)
-        return flops / freed
+        return flops_saved_per_byte(flops, self.ssm_state_bytes, self.kv_bytes_per_token * (end - start) if leaf else 0)
 
     def _nodes(self):
         stack = list(self.root.children.values())

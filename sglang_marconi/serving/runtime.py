@@ -372,7 +372,8 @@ class MarconiRuntime:
         if self.tuner is not None and self.tuner_log is None:
             tuning, self._tuning = self._tuning, False
             self.tuner_log = self.tuner.close()
-            if tuning and self.group.single and self.tuner_log is not None and self.faulted is None:
+            if (tuning and self.group.single and self.tuner_log is not None and self.faulted is None
+                    and self.tuner_log.decisions):  # (the window tuner logs switches only: maybe none)
                 self.settings.choice = self.tuner_log.decisions[-1][1]
 
 

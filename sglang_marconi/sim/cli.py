@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="extra_buffer: SGLang's prefill snapshot grid (the model's mamba_chunk_size; 64)")
     served.add_argument("--mamba-track-interval", type=int, default=256,
                         help="extra_buffer: decode snapshots every lcm(this, --mamba-cache-chunk-size) tokens (256)")
+    served.add_argument("--swa-tokens", type=int,
+                        help="sliding-window models: the server's SWA KV pool, in token slots (with --kv-tokens, the "
+                             "full-KV pool): marconi runs as served on those two pools")
     served.add_argument("--tune-sync-every", type=int, default=32,
                         help="tuned marconi: requests between the server's sync points (--marconi-tune-sync-every)")
     p.add_argument("--no-progress", action="store_true")
@@ -132,19 +135,30 @@ def run(args: argparse.Namespace) -> list[RunResult]:
         raise MarconiError(f"--block-size must be >= 1, got {args.block_size}")
     if args.limit is not None and args.limit < 1:
         raise MarconiError(f"--limit must be >= 1, got {args.limit}")
-    served = served_pools_of(args)
+    profile = load_profile(args.model)
+    swa_pools = served_swa_pools_of(args, profile)
+    served = None if swa_pools else served_pools_of(args)
     capacities = parse_capacities(args.capacity)
     blocks = parse_counts(args.capacity_blocks, "--capacity-blocks") if args.capacity_blocks else None
     if blocks and not any(map(is_kv_policy, policies)):
         raise MarconiError("--capacity-blocks sizes only kv-* policies, and --policies names none")
-    profile = load_profile(args.model)
-    if served is not None:
+    if swa_pools is not None:
+        from sglang_marconi.policy.window_cache import pool_split
+
+        capacities = [pool_split(profile, *swa_pools)[0]]
+        if args.policies == DEFAULT_POLICIES:
+            policies = list(SERVED_SWA_POLICY_NAMES)
+        for name in policies:
+            if name.partition(":")[0] not in SERVED_SWA_POLICY_NAMES:
+                raise MarconiError(f"policy {name!r} is not a configuration of the served SWA cache; with "
+                                   f"--swa-tokens choose from {', '.join(SERVED_SWA_POLICY_NAMES)} or marconi:ALPHA")
+    elif served is not None:
         from sglang_marconi.sim.baselines.served import served_capacity_bytes
 
         capacities = [served_capacity_bytes(profile, served)]  # reported only: the pools decide
         if args.policies == DEFAULT_POLICIES:
             policies = list(SERVED_POLICY_NAMES)
-    if profile.has_sliding_window and args.policies == DEFAULT_POLICIES:
+    if profile.has_sliding_window and args.policies == DEFAULT_POLICIES and swa_pools is None:
         policies = list(SWA_POLICY_NAMES)  # the default list names policies that model no windows
     workload = load_workload(args.trace or args.workload or DEFAULT_WORKLOAD, args.mooncake_tokens)
     tuning = ShadowConfig(alpha_grid=args.alpha_grid, seglen_weights=args.seglen_weights, objective=args.objective,
@@ -174,15 +188,37 @@ def run(args: argparse.Namespace) -> list[RunResult]:
                                         probation=args.probation, **replay_args))
                 continue
             config = tuning
-            if policy_name == "marconi" and args.alpha is None and served is None:  # tuned: the sample rate may depend on capacity
+            if policy_name == "marconi" and args.alpha is None and served is None and swa_pools is None:  # tuned: the sample rate may depend on capacity
                 config = shadow_config_for(workload, profile, capacity, tuning, args.tune_sample_rate)
-            policy = build_policy(policy_name, profile, capacity, alpha=args.alpha, block_size=args.block_size,
-                                  swa_share=args.swa_share, served=served, sync_every=args.tune_sync_every,
-                                  checkpoint_grid=args.checkpoint_grid, tuning=config, probation=args.probation)
+            if swa_pools is not None and policy_name.partition(":")[0] == "marconi":
+                from sglang_marconi.sim.baselines.swa_radix import served_marconi_swa
+
+                fixed = policy_name.partition(":")[2]
+                policy = served_marconi_swa(profile, *swa_pools, alpha=float(fixed) if fixed else args.alpha,
+                                            tuning=config, sync_every=args.tune_sync_every)
+            else:
+                policy = build_policy(policy_name, profile, capacity, alpha=args.alpha, block_size=args.block_size,
+                                      swa_share=args.swa_share, served=served, sync_every=args.tune_sync_every,
+                                      checkpoint_grid=args.checkpoint_grid, tuning=config, probation=args.probation)
             runs.append(replay(workload, policy, profile, capacity, **replay_args))
             if hasattr(policy, "request_records"):  # SWA policies: hit-end reasons per request
                 runs[-1].per_request.update(policy.request_records())
     return runs
+
+
+SERVED_SWA_POLICY_NAMES = ("none", "marconi", "infinite")  # the served SWA cache: marconi at an alpha, or tuned
+
+
+def served_swa_pools_of(args: argparse.Namespace, profile) -> tuple[int, int] | None:
+    """A sliding-window model's served pools (`--kv-tokens` full-KV tokens, `--swa-tokens` SWA
+    tokens), or None."""
+    if getattr(args, "swa_tokens", None) is None and not (profile.has_sliding_window and args.kv_tokens is not None):
+        return None
+    if not profile.has_sliding_window:
+        raise MarconiError(f"--swa-tokens sizes a sliding-window pool; {profile.name} has none")
+    if args.kv_tokens is None or args.swa_tokens is None or args.mamba_slots is not None:
+        raise MarconiError("a sliding-window model's served pools are --kv-tokens and --swa-tokens (no --mamba-slots)")
+    return args.kv_tokens, args.swa_tokens
 
 
 def served_pools_of(args: argparse.Namespace):

@@ -36,7 +36,11 @@ simulator (`scripts/check_sim_vs_served.py`), at tight and ample pools, in both 
 with and without probation, tuned online and fixed, and requires >= 99% of requests with identical
 hits and total hit tokens within 0.5% (measured: 100% and 0.000% in every configuration); the fixed
 ones also require the tuner's shadow of the live choice, given what the live cache was given, to
-predict its hits within the same bound (measured: identical).
+predict its hits within the same bound (measured: identical). For sliding-window models
+(`test_simulator_describes_the_served_swa_cache`) the same check holds where the pools do not evict
+(100%, tuned and fixed, the window shadows too); under SWA pressure it does not yet (81.9% identical,
+12% fewer hit tokens simulated on the tight lmsys case: a strict xfail), because SWA eviction is
+still two rules (see `SWA_CONFIGS`).
 """
 
 import numpy as np
@@ -226,3 +230,44 @@ def test_simulator_describes_the_server(check, name):
     if alpha == "auto":  # the same choices adopted at the same requests; where tuning pays, a switch
         assert report.config["served_choices"] == report.config["sim_choices"]
         assert bool(report.config["served_choices"]) == (name in SWITCHES)
+
+
+# Sliding-window models (`--kind sliding-window`): SGLang's SWA cache with the marconi backend (window
+# 128, gpt-oss-20b's profile) against the simulator's served SWA policy, which is also what the SWA
+# runtime's window shadows run: (kind, generator parameters, KV tokens, SWA tokens, chunk, alpha).
+# Where neither pool evicts, the two agree request by request: admission (the window before the end
+# and before a branch point), SGLang's SWA match validator and the kept tokens are the same. Under SWA
+# pressure they do not (strict xfail below): the served cache evicts by `policy/window_plan.py` on
+# SGLang's tree (stale SWA segments first, then branch windows and leaves; a running request holds its
+# window and its out-of-window SWA until the scheduler frees it, every 128 tokens), the simulator's
+# `WindowPrefixCache` by its own ranking over whole edges, with admission at a request's end.
+AMPLE_POOL = 1_000_000
+SWA_CONFIGS = {
+    "swa-lmsys-ample-auto": ("lmsys", dict(sessions=8, scale=0.1, seed=1), AMPLE_POOL, AMPLE_POOL, None, "auto"),
+    "swa-sharegpt-ample-chunked-a1": ("sharegpt", dict(sessions=10, scale=0.3, seed=3), AMPLE_POOL, AMPLE_POOL, 64, 1.0),
+    "swa-sysprompt-ample-a1": ("system-prompt", dict(sessions=30, scale=0.5, seed=2), AMPLE_POOL, AMPLE_POOL, None, 1.0),
+}
+SWA_TIGHT = ("lmsys", dict(sessions=8, scale=0.1, seed=1), 4000, 1500, None, 1.0)  # measured: 81.9%, 12.0% apart
+
+
+def _swa_report(check, name, config):
+    kind, params, kv, swa, chunk, alpha = config
+    requests = list(generate(kind, **params))
+    report = check.run_swa(requests, "gpt-oss-20b", kv, swa, chunk, alpha, shadows=alpha != "auto",
+                           workload_name=name, sync_every=8)
+    print("\n".join(report.lines()))
+    return report
+
+
+@pytest.mark.parametrize("name", list(SWA_CONFIGS))
+def test_simulator_describes_the_served_swa_cache(check, name):
+    report = _swa_report(check, name, SWA_CONFIGS[name])
+    assert report.ok, "\n".join(report.lines())
+    assert report.served_hits > 0.5 * report.input_tokens  # the cache is used
+
+
+@pytest.mark.xfail(strict=True, reason="SWA eviction: the simulator's WindowPrefixCache ranks by its own rule, "
+                                       "the server by window_plan on SGLang's tree (issue 22, item 1)")
+def test_simulator_describes_the_served_swa_cache_under_pressure(check):
+    report = _swa_report(check, "swa-lmsys-tight-a1", SWA_TIGHT)
+    assert report.ok, "\n".join(report.lines())

@@ -26,12 +26,10 @@ class ServedPolicy:
                  probation: bool = True, sync_every: int = 32, record: bool = False):
         self.name = name
         self.pools = pools
-        self.tuner = None
-        self._synced: dict[int, int] = {}
+        self.tuner = self.sync = None
         if tuning is not None:
             self.tuner = ShadowTuner(profile, 1, tuning, probation=probation, served=pools)
-            self._recorder = SyncRecorder(self.tuner, sync_every, self._synced.__setitem__)
-            self._recorder.advance(0)
+            self.sync = SyncPoints(self.tuner, sync_every)
             choice = self.tuner.current
         self.sync_every = sync_every
         self.cache = ServedCache(profile, pools, choice, probation=probation, record=record)
@@ -48,15 +46,10 @@ class ServedPolicy:
         self.hits.append(outcome.hit_tokens)
         if self.tuner is not None:
             self.tuner.observe(request.session_id, inp, out[:-1], sequence=seq)
-            self._recorder.advance(self.tuner.log.requests)
-            if self.served % self.sync_every == 0:  # a sync point: the choice as of the previous one
-                k = self.served // self.sync_every
-                index = self._synced.pop(k - 1, None)
-                for old in [j for j in self._synced if j < k - 1]:
-                    del self._synced[old]
-                if index is not None and self.tuner.choices[index] != self.cache.choice:
-                    self.cache.set_choice(self.tuner.choices[index])
-                    self.history.append((self.served, self.cache.choice))
+            choice = self.sync.adopt(self.served, self.tuner.log.requests)
+            if choice is not None and choice != self.cache.choice:
+                self.cache.set_choice(choice)
+                self.history.append((self.served, self.cache.choice))
         return Outcome(request.input_len, outcome.hit_tokens, outcome.overlap_tokens, outcome.states_admitted)
 
     def stats(self) -> PolicyStats:
@@ -74,6 +67,30 @@ class ServedPolicy:
             eviction_history=[(at, name) for at, _, name in history],
             tuning_seconds=self.tuner.log.seconds if self.tuner else 0.0,
         )
+
+
+class SyncPoints:
+    """When the server adopts a tuner's choice: at request k x `sync_every` (a sync point), the
+    choice the tuner held at request (k - 1) x `sync_every` (`SyncRecorder`), as a server with an
+    inline tuner does (`serving/runtime.py`). For any tuner with `choices` and `current`."""
+
+    def __init__(self, tuner, sync_every: int):
+        self.tuner, self.sync_every = tuner, sync_every
+        self._synced: dict[int, int] = {}
+        self._recorder = SyncRecorder(tuner, sync_every, self._synced.__setitem__)
+        self._recorder.advance(0)
+
+    def adopt(self, served: int, observed: int):
+        """After the `served`-th request (the tuner has observed `observed`): the choice a sync
+        point adopts now, or None (no sync point here)."""
+        self._recorder.advance(observed)
+        if served % self.sync_every:
+            return None
+        k = served // self.sync_every
+        index = self._synced.pop(k - 1, None)
+        for old in [j for j in self._synced if j < k - 1]:
+            del self._synced[old]
+        return None if index is None else self.tuner.choices[index]
 
 
 def served_capacity_bytes(profile, pools: ServedPools) -> int:

@@ -199,6 +199,8 @@ CONFIGS = {
     "lmsys-ample-nobuf-auto": ("lmsys", dict(sessions=8, scale=0.1, seed=1), 40000, 64, "no_buffer", 256, "auto", True, 8),
     "sysprompt-tight-nobuf-auto": ("system-prompt", dict(sessions=80, scale=0.5, seed=2), 3000, 6, "no_buffer", 64,
                                    "auto", False, 8),
+    "sysprompt-ample-xbuf-a1": ("system-prompt", dict(sessions=40, scale=0.5, seed=2), 60000, 96, "extra_buffer", 256,
+                                1.0, True, 32),
     "sysprompt-tight-xbuf-a20": ("system-prompt", dict(sessions=60, scale=0.5, seed=2), 3000, 8, "extra_buffer", 150,
                                  20.0, True, 32),
     "sharegpt-tight-nobuf-a0": ("sharegpt", dict(sessions=10, scale=0.3, seed=3), 1500, 6, "no_buffer", None, 0.0, True, 32),
@@ -246,6 +248,8 @@ SWA_CONFIGS = {
     "swa-lmsys-ample-auto": ("lmsys", dict(sessions=8, scale=0.1, seed=1), AMPLE_POOL, AMPLE_POOL, None, "auto"),
     "swa-sharegpt-ample-chunked-a1": ("sharegpt", dict(sessions=10, scale=0.3, seed=3), AMPLE_POOL, AMPLE_POOL, 64, 1.0),
     "swa-sysprompt-ample-a1": ("system-prompt", dict(sessions=30, scale=0.5, seed=2), AMPLE_POOL, AMPLE_POOL, None, 1.0),
+    "swa-swe-ample-chunked-auto": ("swe-agent", dict(sessions=2, scale=0.05, seed=4), AMPLE_POOL, AMPLE_POOL, 256,
+                                   "auto"),
 }
 SWA_TIGHT = ("lmsys", dict(sessions=8, scale=0.1, seed=1), 4000, 1500, None, 1.0)  # measured: 81.9%, 12.0% apart
 

@@ -239,10 +239,16 @@ def test_simulator_describes_the_server(check, name):
 # runtime's window shadows run: (kind, generator parameters, KV tokens, SWA tokens, chunk, alpha).
 # Where neither pool evicts, the two agree request by request: admission (the window before the end
 # and before a branch point), SGLang's SWA match validator and the kept tokens are the same. Under SWA
-# pressure they do not (strict xfail below): the served cache evicts by `policy/window_plan.py` on
-# SGLang's tree (stale SWA segments first, then branch windows and leaves; a running request holds its
-# window and its out-of-window SWA until the scheduler frees it, every 128 tokens), the simulator's
-# `WindowPrefixCache` by its own ranking over whole edges, with admission at a request's end.
+# pressure they do not (strict xfail below; measured 81.9% identical, the simulator 12% short). The
+# served cache evicts by `policy/window_plan.py` on SGLang's tree: SWA KV in no reuse point's window
+# (stale, by distance to the reuse point below) first, then branch windows and leaves; it keeps a
+# request's SWA KV from the scheduler's last out-of-window free (every 128 tokens past the window) to
+# its end, and evicts when a request allocates, while the request holds its window. The simulator's
+# `WindowPrefixCache` keeps exactly the windows, evicts at a request's end, and never tombstones an
+# inner node whose fully-covered child edge is shorter than the window, even where no reuse point's
+# window reaches it: on the tight lmsys case SGLang freed 142 stale segments and no leaf, the
+# simulator 83 leaves (their full KV with them). The fix is one SWA rule: a model of SGLang's SWA tree
+# in the policy core evicting by `window_plan`, as `policy/served_cache.py` does for Mamba.
 AMPLE_POOL = 1_000_000
 SWA_CONFIGS = {
     "swa-lmsys-ample-auto": ("lmsys", dict(sessions=8, scale=0.1, seed=1), AMPLE_POOL, AMPLE_POOL, None, "auto"),

@@ -40,6 +40,18 @@ class WorkerKillingProfile:
 LONG = list(range(200_000, 201_200))
 
 
+@pytest.fixture(autouse=True)
+def fresh_request_ids(monkeypatch):
+    """Request ids ("req-N", `sglang_cpu.make_request`) are the tuner's session keys here, and its
+    evidence splits sessions into halves by key: number them from 0 in every test, so that its
+    decisions do not depend on how many requests other tests made before in this process."""
+    import itertools
+
+    import sglang_cpu
+
+    monkeypatch.setattr(sglang_cpu, "_request_ids", itertools.count())
+
+
 def workload(n):
     """A long, valuable prefix revisited every 8th request, and short one-offs in between: LRU lets
     the one-offs push it out, FLOP-aware eviction keeps it."""

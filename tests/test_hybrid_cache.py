@@ -200,3 +200,17 @@ def test_branch_checkpoint_capped_before_grid_floor(toy):
     lookup, _ = c.serve(prompt, [8])
     assert lookup.checkpoint_at == 64
     assert c.lookup(prompt).hit_tokens == 64
+
+
+def test_admission_may_evict_the_edge_it_leaves_midway(toy):
+    """A request locks what it reuses, not the edge it leaves mid-way (SGLang's running request
+    locks its matched prefix): the previous request's private tail is evicted for room like any
+    leaf, and the request caches those tokens itself."""
+    for c in (cache(toy, capacity=70), cache(toy, capacity=70, state_slots=2)):  # one budget; 70 KV + 2 states
+        c.serve([1] * 20 + [2] * 20, [])  # 40 tokens and a state
+        lookup, states = c.serve([1] * 20 + [3] * 25, [])  # branch at 20: two states, 25 tokens beyond
+        assert lookup.checkpoint_at == 20
+        assert states == 2 and c.counters.admissions_skipped == 0
+        assert c.lookup([1] * 20 + [3] * 25 + [9]).hit_tokens == 45
+        assert c.lookup([1] * 20 + [2] * 20 + [9]).overlap_tokens == 20  # the tail went
+        c.check_invariants()

@@ -178,13 +178,23 @@ class HybridPrefixCache:
             positions.insert(0, int(checkpoint_at))
         stateful_ends = {node.end for node in walk.path if node.has_state}
         new_states = sum(1 for p in positions if p not in stateful_ends)
-        deepest = walk.partial or walk.last
+        # Lock what the request reuses, the nodes it matched whole (as SGLang locks a running
+        # request's prefix), not the edge it leaves mid-way: that edge (another request's private
+        # tail) may be evicted for room like any leaf, and the request then caches those tokens
+        # itself, so room is made again for them.
+        deepest = walk.last
         if deepest is not None:
             self.lock(deepest)
         try:
-            if not self._make_room((n - walk.overlap) * self.kv_bytes_per_token, new_states):
-                self.counters.admissions_skipped += 1
-                return 0
+            while True:
+                if not self._make_room((n - walk.overlap) * self.kv_bytes_per_token, new_states):
+                    self.counters.admissions_skipped += 1
+                    return 0
+                if walk.partial is None:
+                    break  # the whole path is locked: nothing on it moved
+                overlap, walk = walk.overlap, self.tree.walk(seq)  # the edge left mid-way may be gone or merged
+                if walk.overlap == overlap:
+                    break
             if n > walk.overlap:
                 attach = self._split(walk.partial, walk.partial_len) if walk.partial else (walk.last or self.tree.root)
                 self._add_leaf(attach, seq[walk.overlap :])

@@ -292,13 +292,20 @@ class ShadowCache:
         for pos in positions:
             if not self._state_on(path, pos):
                 new_states += 1
-        deepest = partial or (path[-1] if path else None)
+        deepest = path[-1] if path else None  # the nodes matched whole, not the edge left mid-way
         if deepest is not None:
             self.lock(deepest)
         try:
-            if not self._make_room((n - overlap) * self.kv_bytes_per_token, new_states):
-                self.counters.admissions_skipped += 1
-                return 0
+            while True:
+                if not self._make_room((n - overlap) * self.kv_bytes_per_token, new_states):
+                    self.counters.admissions_skipped += 1
+                    return 0
+                if partial is None:
+                    break
+                before = overlap
+                path, partial, partial_len, overlap = self._walk(match, n)  # the edge may be gone or merged
+                if overlap == before:
+                    break
             # The nodes along seq[:n] from here on: locked, so evictions left them whole.
             spine = list(path)
             if n > overlap:

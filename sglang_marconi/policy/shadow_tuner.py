@@ -70,6 +70,7 @@ from sglang_marconi.policy.evidence import LONG, SHORT, Evidence, GuardSums
 from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.radix_tree import as_token_array
 from sglang_marconi.policy.sampling import check_rate, session_in_sample
+from sglang_marconi.policy.served_cache import ServedCache, ServedPools
 from sglang_marconi.policy.shadow_cache import FlopsTable, ShadowCache, ShadowNode
 from sglang_marconi.policy.shared_match import SharedMatch
 
@@ -204,41 +205,54 @@ class ShadowTuner:
 
     def __init__(self, profile, capacity_bytes: int, config: ShadowConfig = ShadowConfig(), *,
                  checkpoint_grid: int = 1, page_size: int = 1, state_slots: int | None = None,
-                 probation: bool = False):
+                 probation: bool = False, served: ServedPools | None = None):
         """`capacity_bytes` (and `state_slots`, for two budgets: see `HybridPrefixCache`) are the
         live cache's; the shadows get them scaled by the sample rate. `probation`: the live cache
-        keeps probationary states (`HybridPrefixCache`), so the shadows do too."""
+        keeps probationary states (`HybridPrefixCache`), so the shadows do too. `served`: the live
+        cache is SGLang's (its pools, strategy and chunking): every shadow is then the model of
+        the served cache (`ServedCache`, `ServedShadow`) on those pools scaled by the sample rate,
+        and `capacity_bytes`, `state_slots`, `checkpoint_grid` are not used."""
         self.profile = profile
         self.config = config
         self.choices = config.choices
         self.page_size = page_size
+        self.served = served
+        self.probation = probation
         self.flops = FlopsTable(profile)  # every cache of this tuner refreshes the same spans
         rate = config.sample_rate
-        shadow_bytes = int(capacity_bytes * rate)
-        shadow_slots = None if state_slots is None else max(2, round(state_slots * rate))
-        if shadow_bytes < (2 * profile.ssm_state_bytes if state_slots is None else 1):
-            raise MarconiError(
-                f"sample_rate={rate} scales capacity {capacity_bytes} below one request's two "
-                f"SSM states ({2 * profile.ssm_state_bytes} bytes); raise the sample rate"
-            )
-        self.shared: _SharedShadow | None = _SharedShadow(
-            profile, shadow_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=shadow_slots,
-            probation=probation, flops=self.flops)
-        self.shadows: list[ShadowCache | None] = []
-        # Miniatures: the same shadows at `prior_scale` x the capacity, from the start until the fork.
-        # They fill (and fork) first, so when the shadows fork, before any of them has a hit to
-        # tell them apart, the miniatures have already seen which eviction does better under
-        # contention: their leader is adopted at the fork (the guard reverts it if it loses). They
-        # stop (their verdict kept for the fork) once they have run as long after their fork as
-        # before it: a cache that is slow to fill does not pay for seven of them all along.
         self.mini: _Miniatures | None = None
         self._prior: int | None = None  # the miniatures' verdict, once they stopped
-        mini_bytes = int(shadow_bytes * config.prior_scale)
-        if config.prior_scale > 0 and (mini_bytes >= 2 * profile.ssm_state_bytes or state_slots is not None):
-            mini_slots = None if shadow_slots is None else max(2, round(shadow_slots * config.prior_scale))
-            self.mini = _Miniatures(self, _SharedShadow(profile, max(1, mini_bytes), checkpoint_grid=checkpoint_grid,
-                                                        page_size=page_size, state_slots=mini_slots,
-                                                        probation=probation, flops=self.flops))
+        if served is not None:
+            self.shared = ServedShadow(ServedCache(profile, served.scaled(rate), config.start, probation=probation),
+                                       shared=True)
+            self.shadows = []
+            if config.prior_scale > 0:
+                self.mini = _Miniatures(self, ServedShadow(ServedCache(
+                    profile, served.scaled(rate * config.prior_scale), config.start, probation=probation), shared=True))
+        else:
+            shadow_bytes = int(capacity_bytes * rate)
+            shadow_slots = None if state_slots is None else max(2, round(state_slots * rate))
+            if shadow_bytes < (2 * profile.ssm_state_bytes if state_slots is None else 1):
+                raise MarconiError(
+                    f"sample_rate={rate} scales capacity {capacity_bytes} below one request's two "
+                    f"SSM states ({2 * profile.ssm_state_bytes} bytes); raise the sample rate"
+                )
+            self.shared: _SharedShadow | None = _SharedShadow(
+                profile, shadow_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size, state_slots=shadow_slots,
+                probation=probation, flops=self.flops)
+            self.shadows: list[ShadowCache | None] = []
+            # Miniatures: the same shadows at `prior_scale` x the capacity, from the start until the fork.
+            # They fill (and fork) first, so when the shadows fork, before any of them has a hit to
+            # tell them apart, the miniatures have already seen which eviction does better under
+            # contention: their leader is adopted at the fork (the guard reverts it if it loses). They
+            # stop (their verdict kept for the fork) once they have run as long after their fork as
+            # before it: a cache that is slow to fill does not pay for seven of them all along.
+            mini_bytes = int(shadow_bytes * config.prior_scale)
+            if config.prior_scale > 0 and (mini_bytes >= 2 * profile.ssm_state_bytes or state_slots is not None):
+                mini_slots = None if shadow_slots is None else max(2, round(shadow_slots * config.prior_scale))
+                self.mini = _Miniatures(self, _SharedShadow(profile, max(1, mini_bytes), checkpoint_grid=checkpoint_grid,
+                                                            page_size=page_size, state_slots=mini_slots,
+                                                            probation=probation, flops=self.flops))
         self.current = config.start
         self.evidence = Evidence(len(self.choices), (config.half_life, config.guard_half_life))
         self.since = GuardSums(0)  # since the last switch: what the guard judges
@@ -248,6 +262,7 @@ class ShadowTuner:
         self._held = np.zeros(len(self.choices))  # each one's lead over the current one, points x sampled requests
         self.log = TunerLog(decisions=[(0, self.current)])
         self._fed = 0  # observe() calls: equal to log.requests while the caller feeds every request
+        self.last_hits: list[int] | None = None  # each choice's shadow's hit on the last sampled request (0: dropped)
         self.verifier = _Verifier(self, capacity_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size,
                                   state_slots=state_slots, probation=probation) if rate < 1 and config.verify else None
 
@@ -303,10 +318,11 @@ class ShadowTuner:
             hit, checkpoint_at = self.shared.lookup(match)
             try:
                 self.shared.admit(match, checkpoint_at, input_len)
+                self.last_hits = [hit] * len(self.choices)
                 return None
             except _ForkNow:
                 self._fork(match, checkpoint_at)
-            hits = [hit] * len(self.shadows)
+            hits = self.last_hits = [hit] * len(self.shadows)
             mini, self.mini = self.mini, None
             prior = self._prior if mini is None else mini.leader()
             if prior is not None and self.verifier is None:
@@ -322,6 +338,7 @@ class ShadowTuner:
                 hit, checkpoint_at = shadow.lookup(match)
                 shadow.admit(match, checkpoint_at, input_len)
                 hits.append(hit)
+        self.last_hits = hits
         self._score(key, hits, input_len)
         self._since_switch += 1
         self._since_decision += 1
@@ -418,7 +435,7 @@ class ShadowTuner:
             donor = self.shadows[donor_index]
             for v in dropped:
                 eviction = eviction_for(self.choices[v])
-                self.shadows[v] = ShadowCache.from_snapshot(self.profile, donor.snapshot(), eviction, flops=self.flops)
+                self.shadows[v] = restore_shadow(self.profile, donor.snapshot(), eviction, flops=self.flops)
                 ev.copy_arm(donor_index, v)
                 self.since.copy_arm(donor_index, v)
             self.log.revived += len(dropped)
@@ -485,8 +502,12 @@ class _Verifier:
                         probation=probation)
         self.capacity_bytes = capacity_bytes
         safe = tuner.config.start
-        self.arms: list[tuple[int, ShadowCache]] = [
-            (0, ShadowCache(tuner.profile, capacity_bytes, eviction_for(safe), flops=tuner.flops, **self._kw))]
+        if tuner.served is not None:
+            anchor = ServedShadow(ServedCache(tuner.profile, tuner.served.scaled(self.rate), safe,
+                                              probation=tuner.probation))
+        else:
+            anchor = ShadowCache(tuner.profile, capacity_bytes, eviction_for(safe), flops=tuner.flops, **self._kw)
+        self.arms: list[tuple[int, ShadowCache | ServedShadow]] = [(0, anchor)]
         self.mirror: int | None = None  # index in arms of the live cache's stand-in
         self.trial: int | None = None
         self.evidence: Evidence | None = None  # over the arms, since the oldest of them but the anchor started
@@ -510,7 +531,7 @@ class _Verifier:
             return
         parent = self.arms[self.mirror if self.mirror is not None else 0][1]
         eviction = eviction_for(self.tuner.choices[choice])
-        cache = ShadowCache.from_snapshot(self.tuner.profile, parent.snapshot(), eviction, flops=self.tuner.flops)
+        cache = restore_shadow(self.tuner.profile, parent.snapshot(), eviction, flops=self.tuner.flops)
         self.arms.append((choice, cache))
         self.trial = len(self.arms) - 1
         self.trial_started = self.tuner.log.requests
@@ -592,10 +613,91 @@ def fork_shadows(profile, shared: _SharedShadow, choices, match: SharedMatch, ch
         snap = snapshots.get(eviction.refresh_matched_path)
         if snap is None:
             snap = snapshots[eviction.refresh_matched_path] = shared.snapshot_as(eviction)
-        shadow = ShadowCache.from_snapshot(profile, snap, eviction, flops=shared.flops)
+        shadow = restore_shadow(profile, snap, eviction, flops=getattr(shared, "flops", None))
         shadow.admit(match, checkpoint_at, match.input_len)
         shadows.append(shadow)
     return shadows
+
+
+def restore_shadow(profile, snap, eviction: EvictionPolicy, *, flops: FlopsTable | None = None):
+    """A shadow cache under `eviction` from another's `snapshot()`: a `ShadowCache`, or a copy of a
+    served shadow's model (`ServedShadow`)."""
+    if isinstance(snap, ServedCache):
+        return ServedShadow(snap.copy(choice_of(eviction)))
+    return ShadowCache.from_snapshot(profile, snap, eviction, flops=flops)
+
+
+def choice_of(eviction: EvictionPolicy) -> Choice:
+    """The tuner's choice an eviction policy stands for (`eviction_for`'s inverse)."""
+    if isinstance(eviction, LruLeafEviction):
+        return LRU
+    if isinstance(eviction, SegLenEviction):
+        return seglen_choice(eviction.alpha)
+    return float(eviction.alpha)
+
+
+class ServedShadow:
+    """A `ServedCache` (the model of SGLang's cache) behind the tuner's cache interface: `lookup`
+    then `admit` of a `SharedMatch`. SGLang's cache admits as the request runs, so `lookup` serves
+    the whole request and `admit` has nothing left to do; a shadow made by a fork
+    (`restore_shadow`) is given `admit` alone, which serves it. The shared shadow (`shared=True`)
+    stands for every choice until the first request that could make a cache evict (it could
+    allocate more than is free: `ServedCache.may_evict`): its `admit` then raises `_ForkNow`
+    without serving, and each choice serves that request on its own copy (the served cache keeps
+    the same recency whatever the choice, so the copies need no other preparation)."""
+
+    def __init__(self, cache: ServedCache, shared: bool = False):
+        self.cache = cache
+        self.shared = shared
+        self._served = None  # the match `lookup` served
+        self._fork = None  # the match `admit` must fork for
+
+    def lookup(self, match: SharedMatch) -> tuple[int, None]:
+        seq, n_in = match.seq, match.input_len
+        if self.shared and self.cache.may_evict(n_in, len(seq)):
+            self._fork = match
+            return self.cache.peek_hit(seq[:n_in]), None
+        self._served = match
+        return self.cache.serve_kept(seq, n_in).hit_tokens, None
+
+    def admit(self, match: SharedMatch, checkpoint_at=None, probation_at=None) -> int:
+        if self._fork is match:
+            self._fork = None
+            raise _ForkNow
+        if self._served is match:
+            self._served = None
+            return 0
+        return self.cache.serve_kept(match.seq, match.input_len).states_admitted
+
+    @property
+    def probation(self) -> bool:
+        return self.cache.probation
+
+    def snapshot(self) -> ServedCache:
+        return self.cache  # `restore_shadow` copies it
+
+    def snapshot_as(self, eviction: EvictionPolicy) -> ServedCache:
+        return self.cache
+
+    def check_invariants(self) -> None:
+        self.cache.check_invariants()
+
+
+class SyncRecorder:
+    """The choice in force after exactly every `sync_every`-th request, for a tuner fed every
+    request in order: what a sync point of the server adopts (`serving/runtime.py`: at release
+    k x sync_every, the choice as of release (k - 1) x sync_every). Used by the background tuner's
+    child process, the inline tuner and the simulator's model of the served runtime."""
+
+    def __init__(self, tuner: ShadowTuner, sync_every: int, record):
+        self.tuner, self.sync_every, self.record = tuner, sync_every, record
+        self.next_k = 0  # the next sync point to record
+
+    def advance(self, requests: int) -> None:
+        """Record every sync point up to `requests` with the tuner's current choice."""
+        while self.next_k * self.sync_every <= requests:
+            self.record(self.next_k, self.tuner.choices.index(self.tuner.current))
+            self.next_k += 1
 
 
 class _Miniatures:

@@ -97,6 +97,23 @@ class _Candidates:
         node.slot = -1
 
 
+def pool_split(profile, kv_tokens: int, swa_tokens: int) -> tuple[int, float]:
+    """(capacity_bytes, swa_share) of an SWA model's two pools as SGLang sizes them (`kv_tokens`
+    full-KV token slots, `swa_tokens` SWA token slots), such that `WindowPrefixCache`'s static split
+    gives each pool exactly its bytes. The served runtime's window shadows and the simulator's
+    served SWA policy both size their caches here."""
+    full = int(kv_tokens) * int(profile.kv_bytes_per_token)
+    swa = int(swa_tokens) * int(profile.swa_kv_bytes_per_token)
+    if full <= 0 or swa <= 0:
+        raise MarconiError(f"pools of {kv_tokens} full and {swa_tokens} SWA tokens: both must be positive")
+    total = full + swa
+    share = swa / total
+    if int(total * share) != swa:  # float rounding: nudge within the byte
+        share = (swa + 0.5) / total
+    assert int(total * share) == swa
+    return total, share
+
+
 class WindowPrefixCache:
     def __init__(self, profile, capacity_bytes: int, rules: WindowRules, *, alpha: float = 0.0,
                  swa_share: float | None = None):

@@ -40,6 +40,7 @@ class WindowTuner:
         self.index = 0  # of the alpha in force
         self.log = TunerLog()
         self._since_switch = 0
+        self.last_hits: list[int] | None = None  # each alpha's shadow's hit on the last sampled request
 
     @property
     def alpha(self) -> float:
@@ -73,7 +74,7 @@ class WindowTuner:
         self.log.sampled += 1
         self._since_switch += 1
         inp = np.asarray(input_tokens, dtype=np.int64)
-        hits = [shadow.serve(inp, output_tokens)[0].hit_tokens for shadow in self.shadows]
+        hits = self.last_hits = [shadow.serve(inp, output_tokens)[0].hit_tokens for shadow in self.shadows]
         if self.config.objective == "flops":
             whole = self.profile.prefill_flops(0, len(inp))
             gains = np.array([whole - self.profile.prefill_flops(h, len(inp)) for h in hits])

@@ -47,6 +47,7 @@ The class is built lazily (`admission_mixin()`) so importing this module needs n
 
 from __future__ import annotations
 
+from sglang_marconi.policy import branch_grid
 from sglang_marconi.serving.cache_state import EvictionWalk, marconi_evict_params, request_state
 
 
@@ -62,7 +63,8 @@ def ends_input(req, checkpoint_end: int) -> bool:
 
 def chunk_end_for_branch(req, proposed_end: int, snapshot_step: int | None = None) -> int:
     """Two-pass prefill: where to end the prefill chunk [req.prefix_len, proposed_end) so that the
-    branch's state is checkpointed exactly.
+    branch's state is checkpointed exactly (`policy.branch_grid.chunk_end`, the rule the simulator's
+    model of this cache calls too).
 
     no_buffer (`snapshot_step` None): a state exists only at an extend's end, so the chunk that
     would run past the branch ends at it.
@@ -75,31 +77,14 @@ def chunk_end_for_branch(req, proposed_end: int, snapshot_step: int | None = Non
     one (less where the prompt is chunked anyway). Impossible when the branch is less than one step
     past the hit (no extend can start between them): the end stays, and the latest snapshot before
     the branch is taken instead (`tracked_position_for_branch`)."""
-    branch = branch_position(req)
-    start = req.prefix_len
-    if branch is None or branch <= start:
-        return proposed_end
-    if snapshot_step is None:
-        return branch if branch < proposed_end else proposed_end
-    if branch - start < snapshot_step or ((branch - start) % snapshot_step == 0 and branch <= proposed_end):
-        return proposed_end  # impossible, or tracked as it is
-    if branch - snapshot_step < proposed_end:
-        cut = branch - snapshot_step  # the next extend snapshots the branch one step in
-    else:
-        cut = proposed_end - (proposed_end - branch) % snapshot_step
-    return cut if start < cut < proposed_end else proposed_end
+    return branch_grid.chunk_end(branch_position(req), req.prefix_len, proposed_end, snapshot_step)
 
 
 def tracked_position_for_branch(req, step: int) -> int | None:
     """extra_buffer mode: the position the extend [req.prefix_len, req.extend_end) should snapshot
     for the branch: the last `prefix + k * step` (k >= 1) at or before it, or None when the branch
     is not inside this extend or no such position is (the snapshot then stays upstream's)."""
-    branch = branch_position(req)
-    start, end = req.prefix_len, req.extend_end
-    if branch is None or not start < branch < end:
-        return None
-    k = (branch - start) // step
-    return start + k * step if k >= 1 else None
+    return branch_grid.tracked_position(branch_position(req), req.prefix_len, req.extend_end, step)
 
 
 def free_mamba_slots(allocator) -> int:
@@ -186,18 +171,13 @@ def admission_mixin():
 
         def _marconi_admits(self, req, state, position, checkpoint_end) -> bool:
             """Is the state at `position` (this checkpoint's, ending at `checkpoint_end`) the
-            request's branch state?"""
-            branch = branch_position(req)
-            if branch is None or position is None or position > branch:
-                return False
-            if self.cache.enable_mamba_extra_buffer:
-                # Later extends start at checkpoint_end and snapshot a chunk or more in: none can
-                # land in (position, branch] once the branch is less than a chunk beyond it.
-                return position == branch or branch - checkpoint_end < self.mamba_cache_chunk_size
-            # no_buffer: where two-pass prefill ended the chunk for the branch (at it, or at the
-            # last aligned position before it when it could not end there)
-            cut = state.branch_cut
-            return position == (branch if cut is None else cut)
+            request's branch state? (`policy.branch_grid.admits_branch_state`: in extra_buffer mode
+            later extends start at checkpoint_end and snapshot a chunk or more in, so none can land
+            in (position, branch] once the branch is less than a chunk beyond it; in no_buffer mode,
+            where two-pass prefill ended the chunk for the branch.)"""
+            step = self.mamba_cache_chunk_size if self.cache.enable_mamba_extra_buffer else None
+            return branch_grid.admits_branch_state(branch_position(req), position, checkpoint_end, step,
+                                                   state.branch_cut)
 
         def _marconi_probation_admits(self, req, position, checkpoint_end) -> bool:
             """Keep the state at the end of the input on probation, if a Mamba slot can be had

@@ -40,7 +40,7 @@ from array import array
 import numpy as np
 
 from sglang_marconi.policy.sampling import session_in_sample
-from sglang_marconi.policy.shadow_tuner import Choice, ShadowTuner, TunerLog, choice_label
+from sglang_marconi.policy.shadow_tuner import Choice, ShadowTuner, SyncRecorder, TunerLog, choice_label
 from sglang_marconi.policy.tuner_spec import TunerSpec
 from sglang_marconi.serving.shared_ring import SharedRing, fence
 
@@ -276,21 +276,6 @@ def _int64_buffer(tokens) -> memoryview:
 
 
 # -- the child process ----------------------------------------------------------------------------
-
-class SyncRecorder:
-    """The choice in force after exactly every `sync_every`-th request, for a tuner fed every
-    request in order; used by the child process and by the inline tuner."""
-
-    def __init__(self, tuner: ShadowTuner, sync_every: int, record):
-        self.tuner, self.sync_every, self.record = tuner, sync_every, record
-        self.next_k = 0  # the next sync point to record
-
-    def advance(self, requests: int) -> None:
-        """Record every sync point up to `requests` with the tuner's current choice."""
-        while self.next_k * self.sync_every <= requests:
-            self.record(self.next_k, self.tuner.choices.index(self.tuner.current))
-            self.next_k += 1
-
 
 def run_shadow_tuner(ring: SharedRing, result_send, state, parent_pid, spec: TunerSpec, sync_every: int) -> None:
     """Observe requests from `ring` until the parent closes it (or exits); publish the choice,

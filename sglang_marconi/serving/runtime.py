@@ -18,9 +18,12 @@ flush stop tuning (the leader tells the group), the figures and the exporter sto
 Per-request figures live in `req.marconi`, so a request released by any path (abort, retraction,
 PD transfer) leaves nothing behind here.
 
-The shadows model SGLang's two pools: KV tokens (the KV pool's size) and SSM states (the Mamba
-pool's slots), each scaled by the sample rate; under `--enable-unified-memory`, the one byte
-budget both kinds share (`shadow_budget`).
+The shadows are the model of the served cache (`policy/served_cache.py`) on what the live cache was
+given (`served_pools`: the KV pool's tokens and the Mamba pool's slots, scaled by the sample rate,
+the Mamba strategy, chunked prefill): at sample rate 1 the shadow of the choice in force predicts
+the live cache's hits request by request (`scripts/check_sim_vs_served.py --shadows`). Under
+`--enable-unified-memory` (or pages > 1, or upstream's admission), which the model does not cover,
+they run the policy core's budgets instead (`shadow_budget`: the one byte budget both kinds share).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class InlineShadowTuner:
     late = 0
 
     def __init__(self, spec, *, sync_every: int = 32):
-        from sglang_marconi.serving.background_tuner import SyncRecorder
+        from sglang_marconi.policy.shadow_tuner import SyncRecorder
 
         self.tuner = spec.build()
         self.choices = spec.choices
@@ -145,7 +148,7 @@ class MarconiRuntime:
         capacity, state_slots = shadow_budget(cache, self.profile)
         return TunerSpec("hybrid", self.profile, capacity, self.config.tuning(), dict(
             state_slots=state_slots, checkpoint_grid=self.checkpoint_grid, page_size=cache.page_size,
-            probation=bool(self.settings.probation)))
+            probation=bool(self.settings.probation), served=served_pools(cache, self.config)))
 
     def _start_tuner(self, cache):
         spec = self.tuner_spec(cache)
@@ -389,7 +392,8 @@ class MarconiRuntime:
         if self.tuner is not None and self.tuner_log is None:
             tuning, self._tuning = self._tuning, False
             self.tuner_log = self.tuner.close()
-            if tuning and self.group.single and self.tuner_log is not None and self.faulted is None:
+            if (tuning and self.group.single and self.tuner_log is not None and self.faulted is None
+                    and self.tuner_log.decisions):  # (the window tuner logs switches only: maybe none)
                 self.settings.choice = self.tuner_log.decisions[-1][1]
 
 
@@ -432,6 +436,31 @@ def speculative_skip(req) -> bool:
 
 def _states_in_tree(cache) -> int:
     return int(cache.mamba_evictable_size() + cache.mamba_protected_size())
+
+
+def served_pools(cache, config):
+    """What the live cache was given, as the model of the served cache takes it
+    (`policy.served_cache.ServedPools`): the whole KV pool and Mamba pool, the Mamba strategy, the
+    chunked prefill size and snapshot grids. The shadows run that model, which holds what the running
+    request holds as SGLang does, one request at a time: the pools are not reduced for it. None where
+    the model does not apply (one byte budget, pages of more than one token, upstream's admission):
+    the shadows then run `shadow_budget`'s budgets."""
+    from sglang_marconi.policy.served_cache import EXTRA_BUFFER, NO_BUFFER, ServedPools
+
+    allocator = cache.token_to_kv_pool_allocator
+    pool = cache.req_to_token_pool
+    if (getattr(allocator, "unified_buffer", None) is not None or cache.page_size != 1 or not config.admission
+            or getattr(pool, "mamba_pool", None) is None):
+        return None
+    from sglang.srt.runtime_context import get_schedule, mamba_track_grid
+
+    mamba = next(c for c in cache.components.values() if getattr(c, "marconi_exact_branch", False))
+    extra = bool(cache.enable_mamba_extra_buffer)
+    chunk = get_schedule().chunked_prefill_size
+    return ServedPools(
+        int(allocator.size), int(pool.mamba_pool.size), EXTRA_BUFFER if extra else NO_BUFFER,
+        chunk if chunk and chunk > 0 else None, int(mamba.mamba_cache_chunk_size), int(mamba_track_grid(cache.page_size)),
+        int(pool.mamba_initial_tracking_slots) if extra else 2)
 
 
 def shadow_budget(cache, profile) -> tuple[int, int | None]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from sglang_marconi.policy.shadow_tuner import choice_label
 from sglang_marconi.policy.tuner_spec import TunerSpec
+from sglang_marconi.policy.window_cache import pool_split
 from sglang_marconi.serving.runtime import METRICS, MarconiRuntime
 
 
@@ -35,10 +36,13 @@ class SWARuntime(MarconiRuntime):
     def tuner_spec(self, cache) -> TunerSpec:
         profile = self.profile
         allocator = cache.token_to_kv_pool_allocator
-        full = int(allocator.size_full if hasattr(allocator, "size_full") else allocator.size) * profile.kv_bytes_per_token
-        swa = int(getattr(allocator, "size_swa", 0)) * profile.swa_kv_bytes_per_token
-        share = swa / (full + swa) if full and swa else None
-        return TunerSpec("window", profile, max(1, int(full + swa)), self.config.tuning(), dict(swa_share=share))
+        kv_tokens = int(allocator.size_full if hasattr(allocator, "size_full") else allocator.size)
+        swa_tokens = int(getattr(allocator, "size_swa", 0))
+        if kv_tokens and swa_tokens:  # the two pools, as the simulator's served SWA policy sizes them
+            capacity, share = pool_split(profile, kv_tokens, swa_tokens)
+        else:
+            capacity, share = max(1, kv_tokens * profile.kv_bytes_per_token), None
+        return TunerSpec("window", profile, capacity, self.config.tuning(), dict(swa_share=share))
 
     def _account(self, req) -> None:
         f = self.swa_figures

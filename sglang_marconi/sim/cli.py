@@ -36,8 +36,8 @@ from sglang_marconi.sim.hindsight import BEST, replay_best
 from sglang_marconi.sim.kv_blocks.registry import build_block_cache, is_kv_policy
 from sglang_marconi.sim.kv_blocks.replay import replay_blocks
 from sglang_marconi.sim.kv_blocks.view import BlockTrace, block_trace, kv_capacities
-from sglang_marconi.sim.policies import (CAPACITY_FREE, SWA_POLICY_NAMES, build_policy, check_policy_name,
-                                         has_host_tier, split_policies)
+from sglang_marconi.sim.policies import (CAPACITY_FREE, SERVED_POLICY_NAMES, SWA_POLICY_NAMES, build_policy,
+                                         check_policy_name, has_host_tier, split_policies)
 from sglang_marconi.sim.replay import RunResult, replay
 from sglang_marconi.sim.traces import DEFAULT_WORKLOAD, MOONCAKE_TOKEN_MODES, load_workload
 from sglang_marconi.sim.tuning import shadow_config_for
@@ -130,6 +130,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swa-share", type=float,
                    help="sliding-window models: the SWA KV pool's share of --capacity (a static split); "
                         "default: furiosa's proportional split, one budget for sglang+ and marconi")
+    served = p.add_argument_group("the served cache (SGLang's radix cache with the marconi backend, modeled request by "
+                                  "request: policy/served_cache.py); --kv-tokens and --mamba-slots select it")
+    served.add_argument("--kv-tokens", type=int, help="the server's KV pool, in token slots (instead of --capacity)")
+    served.add_argument("--mamba-slots", type=int, help="the server's Mamba pool, in state slots (running requests' included)")
+    served.add_argument("--mamba-radix-cache-strategy", default="no_buffer", choices=("no_buffer", "extra_buffer"),
+                        help="SGLang's Mamba strategy (default no_buffer; extra_buffer is SGLang's GPU default)")
+    served.add_argument("--chunked-prefill-size", type=int, help="SGLang's prefill chunk (default: one extend per prompt)")
+    served.add_argument("--mamba-cache-chunk-size", type=int, default=64,
+                        help="extra_buffer: SGLang's prefill snapshot grid (the model's mamba_chunk_size; 64)")
+    served.add_argument("--mamba-track-interval", type=int, default=256,
+                        help="extra_buffer: decode snapshots every lcm(this, --mamba-cache-chunk-size) tokens (256)")
+    served.add_argument("--swa-tokens", type=int,
+                        help="sliding-window models: the server's SWA KV pool, in token slots (with --kv-tokens, the "
+                             "full-KV pool): marconi runs as served on those two pools")
+    served.add_argument("--tune-sync-every", type=int, default=32,
+                        help="tuned marconi: requests between the server's sync points (--marconi-tune-sync-every)")
     p.add_argument("--no-progress", action="store_true")
     add_cluster_arguments(p)  # --workers N --routers LIST: the cluster replay (sim/cluster)
     return p
@@ -145,15 +161,36 @@ def run(args: argparse.Namespace) -> list[RunResult]:
         raise MarconiError(f"--block-size must be >= 1, got {args.block_size}")
     if args.limit is not None and args.limit < 1:
         raise MarconiError(f"--limit must be >= 1, got {args.limit}")
+    profile = load_profile(args.model)
+    swa_pools = served_swa_pools_of(args, profile)
+    served = None if swa_pools else served_pools_of(args)
     capacities = parse_capacities(args.capacity)
     host_capacities = parse_host_capacities(args.host_capacity) if args.host_capacity else [0]
     if args.host_capacity and not any(map(has_host_tier, policies)):
         raise MarconiError("--host-capacity gives sglang+ and marconi a host tier, and --policies names neither")
+    if args.host_capacity and (served is not None or swa_pools is not None):
+        raise MarconiError("--host-capacity models a host tier on one byte budget (--capacity); the served pools "
+                           "(--kv-tokens / --mamba-slots / --swa-tokens) have none modeled")
     blocks = parse_counts(args.capacity_blocks, "--capacity-blocks") if args.capacity_blocks else None
     if blocks and not any(map(is_kv_policy, policies)):
         raise MarconiError("--capacity-blocks sizes only kv-* policies, and --policies names none")
-    profile = load_profile(args.model)
-    if profile.has_sliding_window and args.policies == DEFAULT_POLICIES:
+    if swa_pools is not None:
+        from sglang_marconi.policy.window_cache import pool_split
+
+        capacities = [pool_split(profile, *swa_pools)[0]]
+        if args.policies == DEFAULT_POLICIES:
+            policies = list(SERVED_SWA_POLICY_NAMES)
+        for name in policies:
+            if name.partition(":")[0] not in SERVED_SWA_POLICY_NAMES:
+                raise MarconiError(f"policy {name!r} is not a configuration of the served SWA cache; with "
+                                   f"--swa-tokens choose from {', '.join(SERVED_SWA_POLICY_NAMES)} or marconi:ALPHA")
+    elif served is not None:
+        from sglang_marconi.sim.baselines.served import served_capacity_bytes
+
+        capacities = [served_capacity_bytes(profile, served)]  # reported only: the pools decide
+        if args.policies == DEFAULT_POLICIES:
+            policies = list(SERVED_POLICY_NAMES)
+    if profile.has_sliding_window and args.policies == DEFAULT_POLICIES and swa_pools is None:
         policies = list(SWA_POLICY_NAMES)  # the default list names policies that model no windows
     workload = load_workload(args.trace or args.workload or DEFAULT_WORKLOAD, args.mooncake_tokens)
     tuning = ShadowConfig(alpha_grid=args.alpha_grid, seglen_weights=args.seglen_weights, objective=args.objective,
@@ -183,11 +220,22 @@ def run(args: argparse.Namespace) -> list[RunResult]:
                                         probation=args.probation, **replay_args))
                 continue
             config = tuning
-            if policy_name == "marconi" and args.alpha is None:  # tuned: the sample rate may depend on capacity
+            if policy_name == "marconi" and args.alpha is None and served is None and swa_pools is None:  # tuned: the sample rate may depend on capacity
                 config = shadow_config_for(workload, profile, capacity, tuning, args.tune_sample_rate)
-            for host in host_capacities if has_host_tier(policy_name) else [0]:
+            if swa_pools is not None and policy_name.partition(":")[0] == "marconi":
+                from sglang_marconi.sim.baselines.swa_radix import served_marconi_swa
+
+                fixed = policy_name.partition(":")[2]
+                policy = served_marconi_swa(profile, *swa_pools, alpha=float(fixed) if fixed else args.alpha,
+                                            tuning=config, sync_every=args.tune_sync_every)
+                runs.append(replay(workload, policy, profile, capacity, **replay_args))
+                if hasattr(policy, "request_records"):  # SWA policies: hit-end reasons per request
+                    runs[-1].per_request.update(policy.request_records())
+                continue
+            for host in host_capacities if has_host_tier(policy_name) and served is None else [0]:
                 policy = build_policy(policy_name, profile, capacity, alpha=args.alpha, block_size=args.block_size,
-                                      swa_share=args.swa_share, checkpoint_grid=args.checkpoint_grid, tuning=config,
+                                      swa_share=args.swa_share, served=served, sync_every=args.tune_sync_every,
+                                      checkpoint_grid=args.checkpoint_grid, tuning=config,
                                       probation=args.probation, host_capacity=host, host_alpha=args.host_alpha)
                 runs.append(replay(workload, policy, profile, capacity, **replay_args))
                 if hasattr(policy, "request_records"):  # SWA policies: hit-end reasons per request
@@ -197,6 +245,35 @@ def run(args: argparse.Namespace) -> list[RunResult]:
 
 def _host(run: RunResult) -> int:
     return run.tiers["host_capacity_bytes"] if run.tiers else 0
+
+
+SERVED_SWA_POLICY_NAMES = ("none", "marconi", "infinite")  # the served SWA cache: marconi at an alpha, or tuned
+
+
+def served_swa_pools_of(args: argparse.Namespace, profile) -> tuple[int, int] | None:
+    """A sliding-window model's served pools (`--kv-tokens` full-KV tokens, `--swa-tokens` SWA
+    tokens), or None."""
+    if getattr(args, "swa_tokens", None) is None and not (profile.has_sliding_window and args.kv_tokens is not None):
+        return None
+    if not profile.has_sliding_window:
+        raise MarconiError(f"--swa-tokens sizes a sliding-window pool; {profile.name} has none")
+    if args.kv_tokens is None or args.swa_tokens is None or args.mamba_slots is not None:
+        raise MarconiError("a sliding-window model's served pools are --kv-tokens and --swa-tokens (no --mamba-slots)")
+    return args.kv_tokens, args.swa_tokens
+
+
+def served_pools_of(args: argparse.Namespace):
+    """The served cache's pools from the command line (`--kv-tokens`, `--mamba-slots`, ...), or None."""
+    if args.kv_tokens is None and args.mamba_slots is None:
+        return None
+    if args.kv_tokens is None or args.mamba_slots is None:
+        raise MarconiError("--kv-tokens and --mamba-slots go together (the server's two pools)")
+    import math
+
+    from sglang_marconi.policy.served_cache import ServedPools
+
+    return ServedPools(args.kv_tokens, args.mamba_slots, args.mamba_radix_cache_strategy, args.chunked_prefill_size,
+                       args.mamba_cache_chunk_size, math.lcm(args.mamba_cache_chunk_size, args.mamba_track_interval))
 
 
 def format_table(runs: list[RunResult]) -> str:

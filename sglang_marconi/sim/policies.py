@@ -56,16 +56,27 @@ def has_host_tier(name: str) -> bool:
     return name.partition(":")[0] in HOST_TIER_POLICIES
 
 
+# Policies the model of the served cache runs (`--kv-tokens` / `--mamba-slots`): SGLang's cache with
+# the marconi backend under the choice `lru` (sglang+), a fixed alpha, or tuned; and the two bounds.
+SERVED_POLICY_NAMES = ("none", "sglang+", "marconi", "infinite")
+
+
 def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None = None, block_size: int = 32,
                  checkpoint_grid: int = 1, tuning: ShadowConfig | None = None, probation: bool = False,
-                 swa_share: float | None = None, host_capacity: int | None = None, host_alpha: float | None = 1.0):
+                 swa_share: float | None = None, host_capacity: int | None = None, host_alpha: float | None = 1.0,
+                 served=None, sync_every: int = 32):
     """`marconi` tunes alpha unless `alpha` is given; `marconi:A` always fixes alpha = A.
     `probation`: SGLang+ and Marconi keep probationary states (`HybridPrefixCache`).
     A model with sliding-window layers runs the SWA policies (`swa_share`: a static split of the
     bytes between global and SWA KV; furiosa's default is proportional, the others' one budget).
     `host_capacity` (bytes, > 0) gives SGLang+ and Marconi a host tier (`host_alpha`: Marconi's
-    host ranking weight, None to follow the device's alpha)."""
+    host ranking weight, None to follow the device's alpha).
+    `served` (`ServedPools`): the policy is the model of SGLang's cache on those pools
+    (`sim/baselines/served.py`; `capacity_bytes` unused), tuned choices adopted every `sync_every`
+    requests as the server adopts them."""
     base, _, fixed = check_policy_name(name).partition(":")
+    if served is not None and base not in ("none", "infinite"):
+        return _build_served_policy(name, base, fixed, profile, served, alpha, tuning, probation, sync_every)
     if host_capacity:
         return _build_host_tier_policy(name, base, fixed, profile, capacity_bytes, host_capacity, alpha, host_alpha,
                                        checkpoint_grid, tuning, probation)
@@ -120,3 +131,21 @@ def _build_swa_policy(name, base, fixed, profile, capacity_bytes, alpha, tuning,
         return sglang_plus_swa(profile, capacity_bytes, swa_share=swa_share)
     return marconi_swa(profile, capacity_bytes, alpha=float(fixed) if fixed else alpha, swa_share=swa_share,
                        tuning=tuning)
+
+
+def _build_served_policy(name, base, fixed, profile, pools, alpha, tuning, probation, sync_every):
+    from sglang_marconi.policy.shadow_tuner import LRU
+    from sglang_marconi.sim.baselines.served import ServedPolicy
+
+    if getattr(profile, "has_sliding_window", False):
+        raise MarconiError(f"the served-cache model covers SSM hybrids; {profile.name} has sliding-window layers")
+    if base not in SERVED_POLICY_NAMES:
+        raise MarconiError(f"policy {name!r} is not a configuration of the served cache; with --kv-tokens choose "
+                           f"from {', '.join(SERVED_POLICY_NAMES)} or marconi:ALPHA")
+    if base == "sglang+":
+        return ServedPolicy("sglang+", profile, pools, LRU, probation=probation)
+    a = float(fixed) if fixed else alpha
+    if a is None:
+        return ServedPolicy("marconi", profile, pools, tuning=tuning or ShadowConfig(), probation=probation,
+                            sync_every=sync_every)
+    return ServedPolicy(f"marconi(alpha={a:g})", profile, pools, a, probation=probation)

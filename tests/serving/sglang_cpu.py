@@ -108,11 +108,14 @@ def build_cache(
     extra_buffer: bool = False,
     unified_memory: bool = False,
     return_params: bool = False,
+    chunked_prefill_size: int | None = None,
 ) -> CpuCache:
     """The scheduler's cache for a tiny Mamba2 hybrid (page size 1), in no-buffer mode or, with
     `extra_buffer`, in extra-buffer mode (ping-pong track slots, the GPU default with overlap).
-    With `return_params`, the `CacheInitParams` a radix-cache factory receives, unbuilt."""
-    server_args = ServerArgs(model_path="dummy", page_size=1)
+    With `return_params`, the `CacheInitParams` a radix-cache factory receives, unbuilt.
+    `chunked_prefill_size`: what the server args say (the runtime hands it to the tuner's shadows;
+    `run_request`'s `chunk_size` is what this harness actually chunks by)."""
+    server_args = ServerArgs(model_path="dummy", page_size=1, chunked_prefill_size=chunked_prefill_size)
     server_args._mamba_cache_chunk_size = mamba_cache_chunk_size  # the HF config would say
     set_global_server_args_for_scheduler(server_args)
     shape = Mamba2StateShape.create(
@@ -207,10 +210,12 @@ def _chunk_end(cc: CpuCache, chunk_end, req, end: int) -> int:
 
 
 def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None, out_tokens=None,
-                chunk_end=None):
+                chunk_end=None, decode_at_once: bool = False):
     """Serve one request end to end; returns (req, hit) with hit = cached prefix tokens reused.
     `chunk_end(req, proposed_end)` may end a prefill chunk earlier (Marconi's two-pass prefill,
-    which the scheduler patch applies in PrefillAdder)."""
+    which the scheduler patch applies in PrefillAdder). `decode_at_once`: the decode's KV slots
+    (and extra_buffer snapshots) in one allocation after the first token, rather than one per
+    step: the same victims (decode touches nothing in the tree), far fewer calls."""
     cache, pool = cc.cache, cc.req_to_token_pool
     req = make_request(tokens, n_out)
     req.init_next_round_input(cache)  # match_prefix with Mamba copy-on-write
@@ -226,6 +231,8 @@ def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None,
         if end == n:
             break
         checkpoint_kv_cache(req, cache)  # stash_chunked_request
+    if decode_at_once:
+        return req, _decode_at_once(cc, req, n_out, out_tokens, hit)
     step = 0
     while True:
         token = out_tokens[step] if out_tokens is not None else 10_000_000 + next(_request_ids)
@@ -246,6 +253,27 @@ def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None,
         req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
     release_kv_cache(req, cache, checkpoint=True)
     return req, hit
+
+
+def _decode_at_once(cc: CpuCache, req: Req, n_out: int, out_tokens, hit: int) -> int:
+    cache, pool = cc.cache, cc.req_to_token_pool
+    outputs = list(out_tokens) if out_tokens is not None else [10_000_000 + next(_request_ids) for _ in range(n_out)]
+    req.output_ids.append(outputs[0])
+    req.update_finish_state()
+    if not req.finished():
+        checkpoint_kv_cache(req, cache)  # after prefill, before the first decode step
+        pos, extra = req.kv.kv_committed_len, len(outputs) - 1
+        loc = alloc_token_slots(cache, extra)
+        pool.write((req.kv.req_pool_idx, slice(pos, pos + extra)), loc)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = pos + extra
+        if cache.enable_mamba_extra_buffer:
+            track_decode_span(cc, req, pos, pos + extra)
+        req.output_ids.extend(outputs[1:])
+        req.update_finish_state()
+    if req.finished_reason is None:
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+    release_kv_cache(req, cache, checkpoint=True)
+    return hit
 
 
 def build_marconi_serving(config, profile="nemotron-h-8b", group=None, **kwargs):

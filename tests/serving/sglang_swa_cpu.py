@@ -9,6 +9,10 @@ component, or, with `marconi=True`, what the `marconi` backend's factory builds 
 `SWACpuCache` drives it as requests would, at the cache's API: `insert` (a request's KV, its SWA
 KV before `evicted` already freed as SGLang's out-of-window freeing does), `match` (stamps the
 matched path), `lock` / `release_swa` / `unlock` (a running request's hold), `evict_swa` (SWA pool pressure).
+`run_swa_request` takes one request through the scheduler's calls instead (as `sglang_cpu.run_request`
+does for Mamba hybrids): match, lock, request row and KV allocation (evicting), prefill chunks with
+`checkpoint_kv_cache` between them and after the first token, decode with the scheduler's
+out-of-window SWA freeing (`ScheduleBatch.maybe_evict_swa`), `release_kv_cache`.
 """
 
 from __future__ import annotations
@@ -124,8 +128,9 @@ class SWACpuCache:
 
 
 def build_swa_cache(*, kv_size: int = 4096, swa_size: int = 1024, window: int = 8, marconi: bool = True,
-                    alpha: float = 1.0, max_context_len: int = 8192) -> SWACpuCache:
-    """The scheduler's cache for a tiny SWA hybrid (page size 1): upstream's, or Marconi's."""
+                    alpha: float = 1.0, max_context_len: int = 8192, profile=None) -> SWACpuCache:
+    """The scheduler's cache for a tiny SWA hybrid (page size 1): upstream's, or Marconi's.
+    `profile`: what Marconi's eviction ranks by (default: the tiny model's own)."""
     set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=1))
     pool = SWAKVPool(size=kv_size, size_swa=swa_size, page_size=1, dtype=torch.bfloat16, head_num=1, head_dim=8,
                      swa_attention_layer_ids=[0, 1, 2], full_attention_layer_ids=[3], device="cpu")
@@ -143,7 +148,7 @@ def build_swa_cache(*, kv_size: int = 4096, swa_size: int = 1024, window: int = 
             profile_for_swa,
         )
 
-        settings = SWASettings(profile=profile_for_swa(tiny_swa_config(window)), alpha=alpha, window=window,
+        settings = SWASettings(profile=profile or profile_for_swa(tiny_swa_config(window)), alpha=alpha, window=window,
                                figures=SWAFigures())
         component = type("MarconiSWAComponent", (marconi_swa_component_class(),), {"marconi_swa_settings": settings})
         override, cache_class = {SWA: component}, marconi_swa_cache_class()
@@ -157,6 +162,84 @@ def build_swa_cache(*, kv_size: int = 4096, swa_size: int = 1024, window: int = 
         cache.marconi = MarconiCacheState(settings)
         cache.tree_core.components_by_type[SWA].marconi_start()
     return SWACpuCache(cache, allocator, kv_size, swa_size, settings)
+
+
+def build_marconi_swa_serving(config, profile, *, kv_size: int, swa_size: int, max_context_len: int = 8192):
+    """What the `marconi` backend's factory builds for an SWA model (`swa_component.py`:
+    component, cache class, cache state with the serving config, `SWARuntime`), on CPU, ranking
+    by `profile` (its window is the cache's); returns (SWACpuCache, SWARuntime)."""
+    from sglang_marconi.serving.cache_state import MarconiCacheState
+    from sglang_marconi.serving.swa_runtime import SWARuntime
+
+    cc = build_swa_cache(kv_size=kv_size, swa_size=swa_size, window=int(profile.sliding_window), marconi=True,
+                         alpha=config.alpha or 0.0, max_context_len=max_context_len, profile=profile)
+    cache = cc.cache
+    cache.marconi = MarconiCacheState(cc.settings, config=config)
+    cache.marconi.runtime = runtime = SWARuntime(cache, cc.settings, config)
+    return cc, runtime
+
+
+def run_swa_request(cc: SWACpuCache, tokens, out_tokens, chunk_size: int | None = None) -> int:
+    """Serve one request end to end through the scheduler's calls; returns the hit (prefix reused).
+    Decode steps between two of the scheduler's out-of-window SWA frees (every
+    `SGLANG_SWA_EVICTION_INTERVAL` tokens past the window) allocate their KV at once: decode
+    touches nothing in the tree, so the victims are the same as one step at a time."""
+    from sglang.srt.environ import envs
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.allocation import alloc_req_slots, alloc_token_slots
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+    from sglang_cpu import make_request
+
+    cache = cc.cache
+    pool = cache.req_to_token_pool
+    outputs = list(out_tokens)
+    req = make_request(tokens, len(outputs))
+    req.init_next_round_input(cache)  # match_prefix (SWA validator, branching seqlen)
+    hit = req.cached_tokens = req.prefix_len
+    n = len(req.full_untruncated_fill_ids)
+    while True:  # prefill chunks: PrefillAdder + alloc_for_extend
+        end = n if chunk_size is None else min(req.prefix_len + chunk_size, n)
+        first = not req.kv.holds_kv
+        req.extend_end = end
+        if first:
+            req.lock = cache.lock(req.last_node)
+            prefix = cache.prefix_device_indices(req) if req.prefix_len else None
+        alloc_req_slots(pool, [req], cache)
+        locs = alloc_token_slots(cache, end - req.prefix_len)
+        row = req.kv.req_pool_idx
+        if first and prefix is not None:
+            pool.write((row, slice(0, req.prefix_len)), prefix)
+        pool.write((row, slice(req.prefix_len, end)), locs)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = end
+        cache.maybe_hand_to_session(req)
+        if end == n:
+            break
+        checkpoint_kv_cache(req, cache)  # stash_chunked_request
+    window = cache.swa_retain_window
+    interval = max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get())
+    req.output_ids.append(outputs[0])
+    req.update_finish_state()
+    done = 1
+    if not req.finished():
+        checkpoint_kv_cache(req, cache)  # after prefill, before the first decode step
+    while not req.finished():
+        # alloc_for_decode -> maybe_evict_swa: from the second decode step on, once the window
+        # has moved `interval` tokens past what was freed
+        if req.decode_batch_idx >= 1 and req.seqlen - 1 - window >= req.kv.get_evicted_seqlen(SWA) + interval:
+            cache.evict_sliding_windows(req, req.seqlen - 1)
+        fires_at = req.kv.get_evicted_seqlen(SWA) + interval + window + 1  # seqlen of the next free
+        k = 1 if req.decode_batch_idx == 0 else max(1, min(len(outputs) - done, fires_at - req.seqlen))
+        pos = req.kv.kv_committed_len
+        pool.write((req.kv.req_pool_idx, slice(pos, pos + k)), alloc_token_slots(cache, k))
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = pos + k
+        req.decode_batch_idx += k
+        req.output_ids.extend(outputs[done: done + k])
+        done += k
+        req.update_finish_state()
+    if req.finished_reason is None:
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+    release_kv_cache(req, cache, checkpoint=True)
+    return hit
 
 
 def session_requests(window: int, seed: int = 0, prompts: int = 8, live_sessions: int = 64):

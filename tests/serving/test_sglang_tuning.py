@@ -19,6 +19,7 @@ from sglang_marconi.policy.model_profile import load_profile  # noqa: E402
 from sglang_marconi.policy.shadow_tuner import LRU, ShadowTuner, choice_label  # noqa: E402
 from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
+from sglang_marconi.serving.runtime import served_pools  # noqa: E402
 
 SYSTEM = list(range(1, 401))
 
@@ -37,6 +38,18 @@ class WorkerKillingProfile:
 
 
 LONG = list(range(200_000, 201_200))
+
+
+@pytest.fixture(autouse=True)
+def fresh_request_ids(monkeypatch):
+    """Request ids ("req-N", `sglang_cpu.make_request`) are the tuner's session keys here, and its
+    evidence splits sessions into halves by key: number them from 0 in every test, so that its
+    decisions do not depend on how many requests other tests made before in this process."""
+    import itertools
+
+    import sglang_cpu
+
+    monkeypatch.setattr(sglang_cpu, "_request_ids", itertools.count())
 
 
 def workload(n):
@@ -76,9 +89,11 @@ def test_background_tuner_decides_as_the_simulator_does_on_the_same_stream():
     runtime.close()  # waits until the process has observed everything
     assert runtime.tuner.dropped == 0 and runtime.tuner.failed is None
     served = runtime.tuner_log
-    # The simulator's tuner over the same stream, with the pools the server's shadows model.
-    sim = ShadowTuner(runtime.profile, 2500 * runtime.profile.kv_bytes_per_token, CONFIG.tuning(), state_slots=8,
-                      checkpoint_grid=runtime.checkpoint_grid)  # exact branches: the page grid
+    # The simulator's tuner over the same stream, given what the live cache was given (its shadows
+    # model the served cache on those pools: `runtime.served_pools`).
+    pools = served_pools(cc.cache, CONFIG)
+    assert (pools.kv_tokens, pools.mamba_slots, pools.strategy) == (2500, 8, "no_buffer")
+    sim = ShadowTuner(runtime.profile, 1, CONFIG.tuning(), probation=CONFIG.probation, served=pools)
     for key, inp, out in fed:
         sim.observe(key, np.array(inp), np.array(out[:-1]))
     assert served.decisions == sim.log.decisions and len(served.decisions) > 1

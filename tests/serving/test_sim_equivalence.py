@@ -28,16 +28,19 @@ prompt checkpoints at 127, and later repeats hit 127; with the 64-token grid it 
 Token ids are the workloads' own (uniform in [0, 32000)); SGLang's cache does not look at a
 vocabulary, so no remapping is needed.
 
-With eviction (`test_invariants_under_eviction`) equality is not expected: SGLang has two
-budgets (KV token slots, Mamba state slots) and evicts under whichever runs short, while the
-simulator has one byte budget (here KV tokens x kv bytes + (Mamba slots - 1) x state bytes, one
-slot being held by the request in flight), so it can trade states for KV and back; SGLang also
-stamps the whole matched path on a hit. Measured agreement (requests with equal hits) on the
-156-request mixed workload below, both at the exact branch: alpha 0: 140/156 (90%) at 3,000 KV
-tokens / 8 Mamba slots, 152/156 (97%) at 6,000 / 16; alpha 1: 144/156 (92%) and 141/156 (90%).
-(With both flooring branches to 64: 140, 136, 124 and 119 of 156.) Only invariants are
-asserted: no KV or Mamba slot leaks after any request, every hit <= the infinite-cache bound,
-and the Marconi candidate index equal to a from-scratch evaluation.
+With eviction, the paper's cache (`HybridPrefixCache`: one budget or two, a compressed tree,
+admission at a request's end) is not the server's. The simulator's model of the served cache
+(`policy/served_cache.py`, `--kv-tokens` / `--mamba-slots`) is: `test_simulator_describes_the_server`
+replays each synthetic kind through SGLang's cache as the server builds it and through the
+simulator (`scripts/check_sim_vs_served.py`), at tight and ample pools, in both Mamba strategies,
+with and without probation, tuned online and fixed, and requires >= 99% of requests with identical
+hits and total hit tokens within 0.5% (measured: 100% and 0.000% in every configuration); the fixed
+ones also require the tuner's shadow of the live choice, given what the live cache was given, to
+predict its hits within the same bound (measured: identical). For sliding-window models
+(`test_simulator_describes_the_served_swa_cache`) the same check holds where the pools do not evict
+(100%, tuned and fixed, the window shadows too); under SWA pressure it does not yet (81.9% identical,
+12% fewer hit tokens simulated on the tight lmsys case: a strict xfail), because SWA eviction is
+still two rules (see `SWA_CONFIGS`).
 """
 
 import numpy as np
@@ -47,13 +50,11 @@ pytest.importorskip("sglang")
 
 from sglang_cpu import MAMBA, build_cache, run_request  # noqa: E402
 
-from sglang_marconi.policy.eviction import FlopAwareEviction  # noqa: E402
 from sglang_marconi.policy.hybrid_cache import HybridPrefixCache  # noqa: E402
 from sglang_marconi.policy.model_profile import load_profile  # noqa: E402
 from sglang_marconi.serving.admission import admission_mixin, chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.components import marconi_component_overrides  # noqa: E402
 from sglang_marconi.serving.eviction_settings import MarconiEvictionSettings  # noqa: E402
-from sglang_marconi.sim.baselines.infinite import InfiniteCache  # noqa: E402
 from sglang_marconi.sim.synthetic import generate  # noqa: E402
 
 PROFILE = load_profile("nemotron-h-8b")
@@ -175,27 +176,108 @@ def test_repeated_grid_multiple_input():
     assert hits == [0, 0, 127, 127]
 
 
-def mixed_workload():
-    rs = list(generate("lmsys", sessions=8, scale=0.1, seed=1)) + list(generate("system-prompt", sessions=40, scale=0.2, seed=2))
-    return sorted(rs, key=lambda r: r.arrival_s)
+def _check_script():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "check_sim_vs_served.py"
+    spec = importlib.util.spec_from_file_location("check_sim_vs_served", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
+    spec.loader.exec_module(module)
+    return module
 
 
-@pytest.mark.parametrize("alpha", [0.0, 1.0])
-@pytest.mark.parametrize("kv_size,mamba_size", [(3000, 8), (6000, 16)])
-def test_invariants_under_eviction(alpha, kv_size, mamba_size):
-    requests = mixed_workload()
-    cc = marconi_sglang(alpha, kv_size=kv_size, mamba_size=mamba_size, max_context_len=4096, max_num_reqs=2)
-    capacity = kv_size * PROFILE.kv_bytes_per_token + (mamba_size - 1) * PROFILE.ssm_state_bytes
-    cache = HybridPrefixCache(PROFILE, capacity, FlopAwareEviction(alpha), checkpoint_grid=branch_grid())
-    bound = InfiniteCache()
-    agree = 0
-    for r in requests:
-        hit = sglang_hit(cc, r, None)  # checks the KV and Mamba ledgers
-        assert hit <= bound.serve(r).hit_tokens
-        agree += hit == cache.serve(r.input_tokens, r.output_tokens[:-1])[0].hit_tokens
-    cache.check_invariants()
-    cc.cache.marconi.index.check()
-    c = cc.settings.counters
-    assert c.evictions_leaf + c.evictions_single_child > 0, "no eviction pressure"
-    assert c.stale_repairs == 0
-    assert agree >= 0.6 * len(requests)  # measured 90-97% (module docstring)
+# (kind, generator parameters, KV tokens, Mamba slots, strategy, chunk, alpha, probation, sync_every):
+# tight pools evict on most requests, ample ones rarely; "auto" tunes online (sync points every 8
+# releases, so that choices switch within these short traces); a fixed alpha also checks the shadows.
+CONFIGS = {
+    "lmsys-tight-nobuf-a1": ("lmsys", dict(sessions=8, scale=0.1, seed=1), 3000, 8, "no_buffer", None, 1.0, True, 32),
+    "lmsys-tight-xbuf-lru": ("lmsys", dict(sessions=8, scale=0.1, seed=1), 3000, 10, "extra_buffer", 128, "lru", False, 32),
+    "lmsys-tight-xbuf-auto": ("lmsys", dict(sessions=8, scale=0.1, seed=1), 3000, 10, "extra_buffer", None, "auto", True, 8),
+    "lmsys-ample-nobuf-auto": ("lmsys", dict(sessions=8, scale=0.1, seed=1), 40000, 64, "no_buffer", 256, "auto", True, 8),
+    "sysprompt-tight-nobuf-auto": ("system-prompt", dict(sessions=80, scale=0.5, seed=2), 3000, 6, "no_buffer", 64,
+                                   "auto", False, 8),
+    "sysprompt-ample-xbuf-a1": ("system-prompt", dict(sessions=40, scale=0.5, seed=2), 60000, 96, "extra_buffer", 256,
+                                1.0, True, 32),
+    "sysprompt-tight-xbuf-a20": ("system-prompt", dict(sessions=60, scale=0.5, seed=2), 3000, 8, "extra_buffer", 150,
+                                 20.0, True, 32),
+    "sharegpt-tight-nobuf-a0": ("sharegpt", dict(sessions=10, scale=0.3, seed=3), 1500, 6, "no_buffer", None, 0.0, True, 32),
+    "sharegpt-ample-xbuf-auto": ("sharegpt", dict(sessions=10, scale=0.3, seed=3), 20000, 64, "extra_buffer", None,
+                                 "auto", False, 8),
+    "swe-tight-xbuf-auto": ("swe-agent", dict(sessions=3, scale=0.05, seed=4), 6000, 10, "extra_buffer", 256, "auto",
+                            True, 8),
+    "swe-ample-nobuf-a100": ("swe-agent", dict(sessions=3, scale=0.05, seed=4), 60000, 64, "no_buffer", 256, 100.0,
+                             False, 32),
+}
+
+
+SWITCHES = {"lmsys-tight-xbuf-auto", "sysprompt-tight-nobuf-auto"}  # tuned runs whose tuner leaves LRU
+
+
+@pytest.fixture(scope="module")
+def check():
+    return _check_script()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_simulator_describes_the_server(check, name):
+    kind, params, kv, slots, strategy, chunk, alpha, probation, sync_every = CONFIGS[name]
+    requests = list(generate(kind, **params))
+    report = check.run(requests, "nemotron-h-8b", kv, slots, strategy, chunk, alpha, probation,
+                       shadows=alpha != "auto", workload_name=name, sync_every=sync_every)
+    print("\n".join(report.lines()))
+    assert report.ok, "\n".join(report.lines())
+    if alpha == "auto":  # the same choices adopted at the same requests; where tuning pays, a switch
+        assert report.config["served_choices"] == report.config["sim_choices"]
+        assert bool(report.config["served_choices"]) == (name in SWITCHES)
+
+
+# Sliding-window models (`--kind sliding-window`): SGLang's SWA cache with the marconi backend (window
+# 128, gpt-oss-20b's profile) against the simulator's served SWA policy, which is also what the SWA
+# runtime's window shadows run: (kind, generator parameters, KV tokens, SWA tokens, chunk, alpha).
+# Where neither pool evicts, the two agree request by request: admission (the window before the end
+# and before a branch point), SGLang's SWA match validator and the kept tokens are the same. Under SWA
+# pressure they do not (strict xfail below; measured 81.9% identical, the simulator 12% short). The
+# served cache evicts by `policy/window_plan.py` on SGLang's tree: SWA KV in no reuse point's window
+# (stale, by distance to the reuse point below) first, then branch windows and leaves; it keeps a
+# request's SWA KV from the scheduler's last out-of-window free (every 128 tokens past the window) to
+# its end, and evicts when a request allocates, while the request holds its window. The simulator's
+# `WindowPrefixCache` keeps exactly the windows, evicts at a request's end, and never tombstones an
+# inner node whose fully-covered child edge is shorter than the window, even where no reuse point's
+# window reaches it: on the tight lmsys case SGLang freed 142 stale segments and no leaf, the
+# simulator 83 leaves (their full KV with them). The fix is one SWA rule: a model of SGLang's SWA tree
+# in the policy core evicting by `window_plan`, as `policy/served_cache.py` does for Mamba.
+AMPLE_POOL = 1_000_000
+SWA_CONFIGS = {
+    "swa-lmsys-ample-auto": ("lmsys", dict(sessions=8, scale=0.1, seed=1), AMPLE_POOL, AMPLE_POOL, None, "auto"),
+    "swa-sharegpt-ample-chunked-a1": ("sharegpt", dict(sessions=10, scale=0.3, seed=3), AMPLE_POOL, AMPLE_POOL, 64, 1.0),
+    "swa-sysprompt-ample-a1": ("system-prompt", dict(sessions=30, scale=0.5, seed=2), AMPLE_POOL, AMPLE_POOL, None, 1.0),
+    "swa-swe-ample-chunked-auto": ("swe-agent", dict(sessions=2, scale=0.05, seed=4), AMPLE_POOL, AMPLE_POOL, 256,
+                                   "auto"),
+}
+SWA_TIGHT = ("lmsys", dict(sessions=8, scale=0.1, seed=1), 4000, 1500, None, 1.0)  # measured: 81.9%, 12.0% apart
+
+
+def _swa_report(check, name, config):
+    kind, params, kv, swa, chunk, alpha = config
+    requests = list(generate(kind, **params))
+    report = check.run_swa(requests, "gpt-oss-20b", kv, swa, chunk, alpha, shadows=alpha != "auto",
+                           workload_name=name, sync_every=8)
+    print("\n".join(report.lines()))
+    return report
+
+
+@pytest.mark.parametrize("name", list(SWA_CONFIGS))
+def test_simulator_describes_the_served_swa_cache(check, name):
+    report = _swa_report(check, name, SWA_CONFIGS[name])
+    assert report.ok, "\n".join(report.lines())
+    assert report.served_hits > 0.5 * report.input_tokens  # the cache is used
+
+
+@pytest.mark.xfail(strict=True, reason="SWA eviction: the simulator's WindowPrefixCache ranks by its own rule, "
+                                       "the server by window_plan on SGLang's tree (issue 22, item 1)")
+def test_simulator_describes_the_served_swa_cache_under_pressure(check):
+    report = _swa_report(check, "swa-lmsys-tight-a1", SWA_TIGHT)
+    assert report.ok, "\n".join(report.lines())

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from sglang_marconi.policy.shadow_tuner import ShadowConfig
-from sglang_marconi.policy.window_cache import FURIOSA, MARCONI, SGLANG, WindowPrefixCache, WindowRules
+from sglang_marconi.policy.window_cache import FURIOSA, MARCONI, SGLANG, WindowPrefixCache, WindowRules, pool_split
 from sglang_marconi.policy.window_tuner import WindowTuner
 from sglang_marconi.sim.policy_api import Outcome, PolicyStats
 from sglang_marconi.sim.workload import Request
@@ -34,24 +34,40 @@ def proportional_swa_share(profile) -> float:
 
 
 class WindowRadixPolicy:
+    """`served`: run as the server runs it (`--kv-tokens` / `--swa-tokens`): a request keeps its
+    input + output[:-1] (SGLang never feeds the last decoded token back, so it has no KV), and a
+    tuned alpha is adopted at the server's sync points (every `sync_every` requests,
+    `baselines/served.SyncPoints`) rather than when the tuner decides."""
+
     def __init__(self, name: str, profile, capacity_bytes: int, rules: WindowRules, *, alpha: float = 0.0,
-                 swa_share: float | None = None, tuning: ShadowConfig | None = None):
+                 swa_share: float | None = None, tuning: ShadowConfig | None = None, served: bool = False,
+                 sync_every: int = 32):
         self.name = name
         self.cache = WindowPrefixCache(profile, capacity_bytes, rules, alpha=alpha, swa_share=swa_share)
         self.tuner = WindowTuner(profile, capacity_bytes, rules, tuning, swa_share) if tuning is not None else None
+        self.served_mode = served
+        self.sync = None
+        if served and self.tuner is not None:
+            from sglang_marconi.sim.baselines.served import SyncPoints
+
+            self.sync = SyncPoints(self.tuner, sync_every)
         self.served = 0
         self.history = [(0, self.cache.alpha)]
         self.end_reasons: list[str] = []
 
     def serve(self, request: Request) -> Outcome:
         cache = self.cache
+        out = request.output_tokens[:-1] if self.served_mode else request.output_tokens
         lookup = cache.lookup(request.input_tokens)
         cache.verify_hit(request.input_tokens, lookup.hit_tokens)  # the invariant, on every request
-        admitted = cache.admit(np.concatenate((request.input_tokens, request.output_tokens)), lookup)
+        admitted = cache.admit(np.concatenate((request.input_tokens, out)), lookup)
         self.end_reasons.append(lookup.end_reason)
         self.served += 1
         if self.tuner is not None:
-            alpha = self.tuner.observe(request.session_id, request.input_tokens, request.output_tokens)
+            alpha = self.tuner.observe(request.session_id, request.input_tokens, out)
+            if self.sync is not None:
+                alpha = self.sync.adopt(self.served, self.tuner.log.requests)
+                alpha = None if alpha is None or alpha == cache.alpha else alpha
             if alpha is not None:
                 cache.alpha = alpha
                 self.history.append((self.served, alpha))
@@ -84,10 +100,20 @@ def sglang_plus_swa(profile, capacity_bytes: int, *, swa_share: float | None = N
 
 
 def marconi_swa(profile, capacity_bytes: int, *, alpha: float | None = None, swa_share: float | None = None,
-                tuning: ShadowConfig | None = None) -> WindowRadixPolicy:
-    """alpha=None tunes alpha online (shadow caches); a number fixes it."""
+                tuning: ShadowConfig | None = None, served: bool = False, sync_every: int = 32) -> WindowRadixPolicy:
+    """alpha=None tunes alpha online (shadow caches); a number fixes it. `served`: as the server
+    runs it (`WindowRadixPolicy`)."""
     if alpha is None:
         return WindowRadixPolicy("marconi", profile, capacity_bytes, MARCONI, swa_share=swa_share,
-                                 tuning=tuning or ShadowConfig())
+                                 tuning=tuning or ShadowConfig(), served=served, sync_every=sync_every)
     return WindowRadixPolicy(f"marconi(alpha={alpha:g})", profile, capacity_bytes, MARCONI, alpha=alpha,
-                             swa_share=swa_share)
+                             swa_share=swa_share, served=served, sync_every=sync_every)
+
+
+def served_marconi_swa(profile, kv_tokens: int, swa_tokens: int, *, alpha: float | None = None,
+                       tuning: ShadowConfig | None = None, sync_every: int = 32) -> WindowRadixPolicy:
+    """Marconi's SWA policy on the server's two pools (`--kv-tokens` full-KV token slots, `--swa-tokens`
+    SWA token slots: `window_cache.pool_split`), run as the server runs it."""
+    capacity, share = pool_split(profile, kv_tokens, swa_tokens)
+    return marconi_swa(profile, capacity, alpha=alpha, swa_share=share, tuning=tuning, served=True,
+                       sync_every=sync_every)

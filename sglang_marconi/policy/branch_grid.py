@@ -1,0 +1,58 @@
+"""Where a hybrid model's prefill can keep the state at a request's branch point: the arithmetic of
+Marconi's two-pass prefill and of extra_buffer snapshot steering, on plain integers.
+
+The served cache (`serving/admission.py`, `serving/two_pass_prefill.py`) calls these with a
+request's fields; the simulator's model of the served cache (`policy/served_cache.py`) calls them
+with its own. One rule, written once. Engine-free.
+
+- no_buffer (`step` None): a state exists only at the end of an extend, so the chunk that would run
+  past the branch ends at it.
+- extra_buffer (`step`: SGLang's snapshot grid, `mamba_cache_chunk_size`, 64): the forward pass
+  snapshots a state only a whole number of steps into an extend (`start + k * step`, k >= 1). The
+  chunk is ended where the next extend starts a whole number of steps before the branch (at
+  `branch - step` when that extend would reach the branch), impossible when the branch is less than
+  one step past the extend's start: then the extend containing the branch snapshots the last
+  `start + k * step` at or before it (`tracked_position`).
+"""
+
+from __future__ import annotations
+
+
+def chunk_end(branch: int | None, start: int, proposed_end: int, step: int | None = None) -> int:
+    """Where to end the prefill chunk [start, proposed_end) so that the branch's state is kept
+    exactly (see the module docstring); `proposed_end` when nothing is to be cut."""
+    if branch is None or branch <= start:
+        return proposed_end
+    if step is None:
+        return branch if branch < proposed_end else proposed_end
+    if branch - start < step or ((branch - start) % step == 0 and branch <= proposed_end):
+        return proposed_end  # impossible, or tracked as it is
+    if branch - step < proposed_end:
+        cut = branch - step  # the next extend snapshots the branch one step in
+    else:
+        cut = proposed_end - (proposed_end - branch) % step
+    return cut if start < cut < proposed_end else proposed_end
+
+
+def tracked_position(branch: int | None, start: int, end: int, step: int) -> int | None:
+    """extra_buffer: the position the extend [start, end) should snapshot for the branch: the last
+    `start + k * step` (k >= 1) at or before it, or None when the branch is not inside this extend
+    or no such position is."""
+    if branch is None or not start < branch < end:
+        return None
+    k = (branch - start) // step
+    return start + k * step if k >= 1 else None
+
+
+def admits_branch_state(branch: int | None, position: int | None, checkpoint_end: int, step: int | None,
+                        cut: int | None = None) -> bool:
+    """Is the state at `position`, offered by the checkpoint that ends at `checkpoint_end`, the
+    request's branch state? no_buffer (`step` None): where two-pass prefill ended the chunk for the
+    branch (at it, or at `cut`, the last aligned position before it, when it could not end there).
+    extra_buffer: at or before the branch, and no later extend (they start at `checkpoint_end` and
+    snapshot a step or more in) can land closer."""
+    if branch is None or position is None or position > branch:
+        return False
+    if step is not None:
+        return position == branch or branch - checkpoint_end < step
+    return position == (branch if cut is None else cut)

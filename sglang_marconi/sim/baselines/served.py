@@ -1,0 +1,98 @@
+"""The served cache on the simulator's `Policy` interface: SGLang's radix cache with the `marconi`
+backend, modeled request by request (`policy/served_cache.py`), on the pools the server was given
+(`--kv-tokens`, `--mamba-slots`, `--mamba-radix-cache-strategy`, `--chunked-prefill-size`).
+
+`sglang+` is the backend's `lru` choice (Marconi's admission, SGLang's LRU eviction), `marconi:A`
+FLOP-aware eviction at alpha A, `marconi` the choice tuned online as the served runtime tunes it
+(`serving/runtime.py`): every request's kept tokens (input + output[:-1]) are fed to a
+`ShadowTuner` whose shadows model the same pools (at sample rate 1 the shadow of the choice in force
+predicts this cache exactly), and its choice is adopted at sync points only: at request
+k x `sync_every`, the choice the tuner held at request (k - 1) x `sync_every` (`SyncRecorder`), which
+is what a server with an inline tuner adopts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sglang_marconi.policy.served_cache import ServedCache, ServedPools
+from sglang_marconi.policy.shadow_tuner import ShadowConfig, ShadowTuner, SyncRecorder, eviction_for
+from sglang_marconi.sim.policy_api import Outcome, PolicyStats
+from sglang_marconi.sim.workload import Request
+
+
+class ServedPolicy:
+    def __init__(self, name: str, profile, pools: ServedPools, choice=None, *, tuning: ShadowConfig | None = None,
+                 probation: bool = True, sync_every: int = 32, record: bool = False):
+        self.name = name
+        self.pools = pools
+        self.tuner = self.sync = None
+        if tuning is not None:
+            self.tuner = ShadowTuner(profile, 1, tuning, probation=probation, served=pools)
+            self.sync = SyncPoints(self.tuner, sync_every)
+            choice = self.tuner.current
+        self.sync_every = sync_every
+        self.cache = ServedCache(profile, pools, choice, probation=probation, record=record)
+        self.served = 0
+        self.history = [(0, choice)]  # (request index, choice adopted)
+        self.hits: list[int] = []
+
+    def serve(self, request: Request) -> Outcome:
+        inp = request.input_tokens
+        out = np.asarray(request.output_tokens, dtype=np.int64)
+        seq = np.concatenate((inp, out[:-1])) if len(out) > 1 else inp
+        outcome = self.cache.serve_kept(seq, len(inp))
+        self.served += 1
+        self.hits.append(outcome.hit_tokens)
+        if self.tuner is not None:
+            self.tuner.observe(request.session_id, inp, out[:-1], sequence=seq)
+            choice = self.sync.adopt(self.served, self.tuner.log.requests)
+            if choice is not None and choice != self.cache.choice:
+                self.cache.set_choice(choice)
+                self.history.append((self.served, self.cache.choice))
+        return Outcome(request.input_len, outcome.hit_tokens, outcome.overlap_tokens, outcome.states_admitted)
+
+    def stats(self) -> PolicyStats:
+        c = self.cache
+        history = [(at, getattr(eviction_for(choice), "alpha", 0.0), eviction_for(choice).name)
+                   for at, choice in self.history]
+        return PolicyStats(
+            kv_tokens_cached=c.tree_kv,
+            ssm_states_cached=c.tree_states,
+            bytes_used=c.tree_kv * c.kv_bytes_per_token + c.tree_states * c.ssm_state_bytes,
+            evictions_leaf=c.counters.evictions_leaf,
+            evictions_intermediate=c.counters.evictions_single_child,
+            admissions_skipped=c.counters.skipped_no_slot,
+            alpha_history=[(at, alpha) for at, alpha, _ in history],
+            eviction_history=[(at, name) for at, _, name in history],
+            tuning_seconds=self.tuner.log.seconds if self.tuner else 0.0,
+        )
+
+
+class SyncPoints:
+    """When the server adopts a tuner's choice: at request k x `sync_every` (a sync point), the
+    choice the tuner held at request (k - 1) x `sync_every` (`SyncRecorder`), as a server with an
+    inline tuner does (`serving/runtime.py`). For any tuner with `choices` and `current`."""
+
+    def __init__(self, tuner, sync_every: int):
+        self.tuner, self.sync_every = tuner, sync_every
+        self._synced: dict[int, int] = {}
+        self._recorder = SyncRecorder(tuner, sync_every, self._synced.__setitem__)
+        self._recorder.advance(0)
+
+    def adopt(self, served: int, observed: int):
+        """After the `served`-th request (the tuner has observed `observed`): the choice a sync
+        point adopts now, or None (no sync point here)."""
+        self._recorder.advance(observed)
+        if served % self.sync_every:
+            return None
+        k = served // self.sync_every
+        index = self._synced.pop(k - 1, None)
+        for old in [j for j in self._synced if j < k - 1]:
+            del self._synced[old]
+        return None if index is None else self.tuner.choices[index]
+
+
+def served_capacity_bytes(profile, pools: ServedPools) -> int:
+    """The bytes the two pools hold, for tables that report a capacity."""
+    return pools.kv_tokens * int(profile.kv_bytes_per_token) + pools.mamba_slots * int(profile.ssm_state_bytes)

@@ -275,17 +275,23 @@ class TieredPrefixCache:
             positions.insert(0, int(checkpoint_at))
         device_state_ends = {node.end for node in walk.path if node.st_dev}
         new_states = sum(1 for p in positions if p not in device_state_ends)
-        # host-only KV the request computed (or loaded) again: it goes back on the device
-        unevicted = sum(len(node.tokens) for node in walk.path if not node.kv_dev)
-        if walk.partial is not None and not walk.partial.kv_dev:
-            unevicted += walk.partial_len
-        deepest = walk.partial or walk.last
+        # Lock what the request matched whole, not the edge it leaves mid-way (`HybridPrefixCache.admit`).
+        deepest = walk.last
         if deepest is not None:
             self.lock(deepest)
         try:
-            if not self._make_room((n - walk.overlap + unevicted) * self.kv_bytes_per_token, new_states):
-                self.counters.admissions_skipped += 1
-                return 0
+            while True:
+                need = n - walk.overlap + _unevicted(walk)
+                if not self._make_room(need * self.kv_bytes_per_token, new_states):
+                    self.counters.admissions_skipped += 1
+                    return 0
+                if walk.partial is None:
+                    break  # the whole path is locked: nothing on it moved
+                # the edge left mid-way may have been demoted, dropped or merged: room for what is left
+                walk = self.tree.walk(seq)
+                if n - walk.overlap + _unevicted(walk) <= need:
+                    break
+            unevicted = _unevicted(walk)
             if n > walk.overlap:
                 attach = self._split(walk.partial, walk.partial_len) if walk.partial else (walk.last or self.tree.root)
                 self._add_leaf(attach, seq[walk.overlap:])
@@ -746,3 +752,12 @@ def walk_tokens(node: Node) -> np.ndarray:
         parts.append(node.tokens)
         node = node.parent
     return np.concatenate(parts[::-1]) if parts else np.empty(0, dtype=np.int64)
+
+
+def _unevicted(walk) -> int:
+    """Host-only KV on the walked path that the request computed (or loaded) again: it goes back
+    on the device."""
+    total = sum(len(node.tokens) for node in walk.path if not node.kv_dev)
+    if walk.partial is not None and not walk.partial.kv_dev:
+        total += walk.partial_len
+    return total

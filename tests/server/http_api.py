@@ -21,6 +21,11 @@ class Generation:
 
 def generate(url: str, input_ids: list[int], max_new_tokens: int = 8) -> Generation:
     """Greedy generation from token ids (text would be re-tokenised), with output logprobs."""
+    return generate_with_meta(url, input_ids, max_new_tokens)[0]
+
+
+def generate_with_meta(url: str, input_ids: list[int], max_new_tokens: int = 8) -> tuple[Generation, dict]:
+    """`generate`, and the response's whole `meta_info`."""
     r = requests.post(url + "/generate", timeout=TIMEOUT_S, json={
         "input_ids": list(input_ids), "return_logprob": True,
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
@@ -29,7 +34,7 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int = 8) -> Generat
     body = r.json()
     meta = body["meta_info"]
     return Generation(list(input_ids), body["output_ids"], [lp[0] for lp in meta["output_token_logprobs"]],
-                      meta["prompt_tokens"], meta["cached_tokens"])
+                      meta["prompt_tokens"], meta["cached_tokens"]), meta
 
 
 def flush_cache(url: str) -> None:

@@ -30,11 +30,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-import requests
 
 pytest.importorskip("sglang")
 
-from http_api import TIMEOUT_S, Generation, flush_cache, internal_state, marconi_figures, marconi_gauges  # noqa: E402
+from http_api import flush_cache, generate_with_meta, internal_state, marconi_figures, marconi_gauges  # noqa: E402
 from test_live_server import tokens  # noqa: E402
 
 CHUNK = 128
@@ -81,15 +80,7 @@ def server(servers):
 def generate(url: str, input_ids: list[int], max_new_tokens: int = 8):
     """Greedy generation from token ids: (Generation, tokens produced), where produced counts the
     accepted run of every verify (what the request's state covers, plus its pending bonus token)."""
-    r = requests.post(url + "/generate", timeout=TIMEOUT_S, json={
-        "input_ids": list(input_ids), "return_logprob": True,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
-    })
-    r.raise_for_status()
-    body = r.json()
-    meta = body["meta_info"]
-    g = Generation(list(input_ids), body["output_ids"], [lp[0] for lp in meta["output_token_logprobs"]],
-                   meta["prompt_tokens"], meta["cached_tokens"])
+    g, meta = generate_with_meta(url, input_ids, max_new_tokens)
     histogram = meta.get("spec_correct_drafts_histogram")
     g.histogram = histogram
     g.produced = None if histogram is None else 1 + sum((k + 1) * n for k, n in enumerate(histogram))

@@ -33,7 +33,7 @@ def test_a_prefix_used_twice_in_a_row_hits_at_its_second_use(toy, eviction):
     assert hits_prob[1] == len(PROMPT)  # the state kept at the end of round 1's input
     assert all(p >= q for p, q in zip(hits_prob, hits_plain)) and hits_prob[2] > hits_plain[1]
     probation.check_invariants()
-    assert not probation._probation or all(n.has_state for n in probation._probation.values())
+    assert not probation._probation or all(n.has_state for n in probation._probation)
 
 
 def test_probationary_states_go_first_and_a_hit_confirms_one(toy):
@@ -41,17 +41,17 @@ def test_probationary_states_go_first_and_a_hit_confirms_one(toy):
     a = list(range(100, 400))
     _, admitted = cache.serve(a, [1, 2])
     assert admitted == 2 and len(cache._probation) == 1  # the end of a+output, and probation at len(a)
-    node = next(iter(cache._probation.values()))
+    node = next(iter(cache._probation))
     assert node.end == len(a) and node.has_state
     b = list(range(500, 800))
     cache.serve(b, [3])
     assert len(cache._probation) == 2
     # a hit on a's input confirms its probationary state
     lookup, _ = cache.serve(a + [7, 7], [4])
-    assert lookup.hit_tokens == len(a) and node.id not in cache._probation
+    assert lookup.hit_tokens == len(a) and node not in cache._probation
     # pressure: the probationary states (b's, and the one the last request added) go before any
     # regular state; a's confirmed one survives
-    probationary = list(cache._probation.values())
+    probationary = list(cache._probation)
     assert len(probationary) == 2
     evictions_before = cache.counters.evictions_leaf
     cache.serve(list(range(900, 2400)), [5])
@@ -73,7 +73,7 @@ def test_snapshots_and_shadows_keep_probation(toy):
     for inp, out in rounds(3):
         cache.serve(inp, out)
     copy = HybridPrefixCache.from_snapshot(toy, cache.snapshot(), FlopAwareEviction(1.0))
-    assert copy.probation and {n.end for n in copy._probation.values()} == {n.end for n in cache._probation.values()}
+    assert copy.probation and {n.end for n in copy._probation} == {n.end for n in cache._probation}
     copy.check_invariants()
     tuner = ShadowTuner(toy, 600, ShadowConfig(alpha_grid=(0.0, 5.0), seglen_weights=()), probation=True)
     for inp, out in rounds(30):

@@ -31,6 +31,7 @@ from sglang_marconi.policy.candidate_index import CandidateIndex
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction
 from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
+from sglang_marconi.policy.probation import ProbationRegistry, evict_oldest_probationary
 from sglang_marconi.policy.radix_tree import Node, RadixTree, Walk, as_token_array
 
 
@@ -110,7 +111,7 @@ class HybridPrefixCache:
         self.clock = 0.0
         self.counters = CacheCounters()
         self.probation = probation
-        self._probation: dict[int, Node] = {}  # probationary states by node id, oldest first
+        self._probation = ProbationRegistry()
 
     # -- accounting ------------------------------------------------------------------------------
     @property
@@ -140,7 +141,7 @@ class HybridPrefixCache:
             return Lookup(hit, walk.overlap, None, hit_node)
         self._touch_hit(walk, hit_node)
         if self._probation:
-            self._probation.pop(hit_node.id, None)  # a hit confirms a probationary state
+            self._probation.confirm(hit_node)  # a hit confirms a probationary state
         return Lookup(hit_node.end, walk.overlap, self._branch_checkpoint(walk, hit_node.end, limit), hit_node)
 
     def _touch_hit(self, walk: Walk, hit_node: Node) -> None:
@@ -206,7 +207,7 @@ class HybridPrefixCache:
                     self.ssm_states += 1
                     admitted += 1
                 elif self._probation:
-                    self._probation.pop(node.id, None)  # a regular state where a probationary one was
+                    self._probation.confirm(node)  # a regular state where a probationary one was
                 self._touch(node)
                 self._refresh(node)
             if (self.probation and probation_at is not None and positions and 0 < probation_at < n
@@ -235,7 +236,7 @@ class HybridPrefixCache:
             node = self._node_at(seq, pos)
             node.has_state = True
             self.ssm_states += 1
-            self._probation[node.id] = node
+            self._probation.add(node)
             self._refresh(node)
             return 1
         finally:
@@ -250,21 +251,7 @@ class HybridPrefixCache:
 
     def _evict_probationary(self) -> bool:
         """Drop the oldest unlocked probationary state (and what only it kept); False if none."""
-        for node_id, node in self._probation.items():
-            if node.lock_count:
-                continue
-            del self._probation[node_id]
-            if not node.children:  # a leaf: its KV goes too, as any leaf eviction
-                self.evict(node)
-                return True
-            self._drop(node)
-            node.has_state = False
-            self.ssm_states -= 1
-            self.counters.evictions_single_child += 1
-            self._refresh(node)
-            self._compress(node)
-            return True
-        return False
+        return evict_oldest_probationary(self)
 
     def serve(self, input_tokens, output_tokens=()) -> tuple[Lookup, int]:
         """Simulate one request end to end: lookup, prefill, decode, admit."""
@@ -324,7 +311,7 @@ class HybridPrefixCache:
         """Evict one candidate: a leaf frees its KV and state; a single-child node frees its
         state and its edge is absorbed by its child."""
         assert node.slot >= 0, f"{node!r} is not an eviction candidate"
-        self._probation.pop(node.id, None)
+        self._probation.forget(node)
         self._drop(node)
         if node.has_state:
             node.has_state = False
@@ -446,7 +433,7 @@ class HybridPrefixCache:
         return CacheSnapshot(
             parents, tokens, has_state, last_access, self.clock, self.capacity_bytes,
             self.checkpoint_grid, self.tree.page_size, self.state_slots,
-            tuple(order[i] for i in self._probation), self.probation,
+            tuple(order[n.id] for n in self._probation), self.probation,
         )
 
     @classmethod
@@ -464,7 +451,7 @@ class HybridPrefixCache:
             cache.ssm_states += state
             built.append(node)
         cache.clock = snap.clock
-        cache._probation = {built[i].id: built[i] for i in snap.probation}
+        cache._probation = ProbationRegistry.of(built[i] for i in snap.probation)
         for node in built:
             cache._refresh(node)
         return cache
@@ -488,7 +475,7 @@ class HybridPrefixCache:
                 assert node.slot < 0, node
             assert node.has_state or len(node.children) != 1 or node.lock_count, f"uncompressed {node!r}"
         assert kv == self.kv_tokens and states == self.ssm_states
-        for node in self._probation.values():
+        for node in self._probation:
             assert node.has_state and node.parent is not None, f"stale probationary state {node!r}"
         assert self.probation or not self._probation
         assert candidates == {n.id for n in self.index.items}

@@ -49,6 +49,7 @@ from sglang_marconi.policy import branch_grid
 from sglang_marconi.policy.candidate_index import CandidateIndex
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
+from sglang_marconi.policy.probation import ProbationRegistry
 from sglang_marconi.policy.radix_tree import as_token_array
 
 NO_BUFFER, EXTRA_BUFFER = "no_buffer", "extra_buffer"
@@ -191,7 +192,7 @@ class ServedCache:
         self.tree_states = 0
         self._mamba_lru: OrderedDict[int, _Node] = OrderedDict()  # stated nodes, least recent first
         self._childless: dict[int, _Node] = {}  # nodes without children (leaves, locked or not)
-        self._probation: dict[int, _Node] = {}
+        self._probation = ProbationRegistry()
         self._flops: dict[tuple[int, int], float] = {}
         self.served = 0
         self.events: list[ServedEvent] | None = [] if record else None
@@ -354,7 +355,7 @@ class ServedCache:
                 c.final_states_admitted += 1
             elif req.probation_node is not None:
                 node, req.probation_node = req.probation_node, None
-                if node.state and self._probation.pop(node.id, None) is not None:
+                if node.state and self._probation.confirm(node):
                     c.final_states_admitted += 1
             pending = 0  # the request's own slot is donated: no new slot
         else:
@@ -452,7 +453,7 @@ class ServedCache:
         if best.state:  # MATCH_END: the state reused is refreshed (and confirmed)
             self._mamba_lru.move_to_end(best.id)
             best.state_time = self._tick()
-            self._probation.pop(best.id, None)
+            self._probation.confirm(best)
         stamp = self._tick()
         n = best
         while n is not None:
@@ -505,9 +506,9 @@ class ServedCache:
         self._mamba_lru.move_to_end(node.id)
         node.state_time = self._tick()
         if not probationary:
-            self._probation.pop(node.id, None)
+            self._probation.confirm(node)
         elif not exists:
-            self._probation[node.id] = node
+            self._probation.add(node)
         return node, exists, overlap
 
     def _lock(self, node: _Node) -> None:
@@ -558,7 +559,7 @@ class ServedCache:
     def _mamba_step(self, probation_only: bool) -> bool:
         c = self.counters
         if self.probation or probation_only:
-            for node in self._probation.values():
+            for node in self._probation:
                 if not node.mamba_lock:
                     self._record("mamba", "probationary", node)
                     c.evictions_probationary += 1
@@ -593,7 +594,7 @@ class ServedCache:
         if self._is_leaf(node):
             self._delete_leaf(node)
             return
-        self._probation.pop(node.id, None)
+        self._probation.forget(node)
         node.state = False
         self.tree_states -= 1
         self.mamba_used -= 1
@@ -601,7 +602,7 @@ class ServedCache:
 
     def _delete_leaf(self, node: _Node) -> None:
         if node.state:
-            self._probation.pop(node.id, None)
+            self._probation.forget(node)
             node.state = False
             self.tree_states -= 1
             self.mamba_used -= 1
@@ -727,5 +728,5 @@ class ServedCache:
         assert {n.id for n in self._nodes() if not n.children} == set(self._childless)
         assert states == self.tree_states == self.mamba_used, (states, self.tree_states, self.mamba_used)
         assert kv <= self.pools.kv_tokens and states <= self.pools.mamba_slots
-        for node in self._probation.values():
+        for node in self._probation:
             assert node.state and node.parent is not None, node

@@ -32,6 +32,7 @@ from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
 from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
 from sglang_marconi.policy.hybrid_cache import CacheCounters
+from sglang_marconi.policy.probation import ProbationRegistry, evict_oldest_probationary
 from sglang_marconi.policy.shared_match import SharedMatch
 from sglang_marconi.policy.small_candidates import SmallCandidateIndex
 
@@ -130,7 +131,7 @@ class ShadowCache:
         self.clock = 0.0
         self.counters = CacheCounters()
         self.probation = probation
-        self._probation: dict[int, ShadowNode] = {}
+        self._probation = ProbationRegistry()
         self._walked = None  # (match, walk) that lookup leaves for admit
         # A shadow's choice is fixed for its life (a copy under another choice is another cache).
         self.eviction = eviction
@@ -257,7 +258,7 @@ class ShadowCache:
             hit = min(overlap, limit)
             return hit - hit % page, None
         if self._probation:
-            self._probation.pop(hit_node.id, None)
+            self._probation.confirm(hit_node)
         hit = hit_node.end
         # HybridPrefixCache._branch_checkpoint
         if partial is None:
@@ -323,7 +324,7 @@ class ShadowCache:
                     self.ssm_states += 1
                     admitted += 1
                 elif self._probation:
-                    self._probation.pop(node.id, None)
+                    self._probation.confirm(node)
                 self._touch(node)
                 self._refresh(node)
             if (self.probation and probation_at is not None and positions and 0 < probation_at < n
@@ -380,7 +381,7 @@ class ShadowCache:
             node = self._node_at(match, pos)
             node.has_state = True
             self.ssm_states += 1
-            self._probation[node.id] = node
+            self._probation.add(node)
             self._refresh(node)
             return 1
         finally:
@@ -394,21 +395,7 @@ class ShadowCache:
                 and self.ssm_states + new_states <= self.state_slots)
 
     def _evict_probationary(self) -> bool:
-        for node_id, node in self._probation.items():
-            if node.lock_count:
-                continue
-            del self._probation[node_id]
-            if not node.children:
-                self.evict(node)
-                return True
-            self._drop(node)
-            node.has_state = False
-            self.ssm_states -= 1
-            self.counters.evictions_single_child += 1
-            self._refresh(node)
-            self._compress(node)
-            return True
-        return False
+        return evict_oldest_probationary(self)
 
     # -- locks -----------------------------------------------------------------------------------
     def lock(self, node: ShadowNode) -> None:
@@ -463,7 +450,7 @@ class ShadowCache:
 
     def evict(self, node: ShadowNode) -> None:
         assert node.slot >= 0, f"{node!r} is not an eviction candidate"
-        self._probation.pop(node.id, None)
+        self._probation.forget(node)
         self._drop(node)
         if node.has_state:
             node.has_state = False
@@ -553,7 +540,7 @@ class ShadowCache:
             last_access.append(node.last_access)
         return ShadowSnapshot(parents, srcs, starts, ends, has_state, last_access, self.clock, self.capacity_bytes,
                               self.checkpoint_grid, self.page_size, self.state_slots,
-                              tuple(order[i] for i in self._probation), self.probation)
+                              tuple(order[n.id] for n in self._probation), self.probation)
 
     @classmethod
     def from_snapshot(cls, profile, snap: ShadowSnapshot, eviction: EvictionPolicy, *, flops: FlopsTable | None = None):
@@ -571,7 +558,7 @@ class ShadowCache:
             cache.ssm_states += state
             built.append(node)
         cache.clock = snap.clock
-        cache._probation = {built[i].id: built[i] for i in snap.probation}
+        cache._probation = ProbationRegistry.of(built[i] for i in snap.probation)
         for node in built:
             cache._refresh(node)
         return cache
@@ -600,7 +587,7 @@ class ShadowCache:
                 assert node.slot < 0, node
             assert node.has_state or len(node.children) != 1 or node.lock_count, f"uncompressed {node!r}"
         assert kv == self.kv_tokens and states == self.ssm_states
-        for node in self._probation.values():
+        for node in self._probation:
             assert node.has_state and node.parent is not None, f"stale probationary state {node!r}"
         assert self.probation or not self._probation
         assert candidates == {n.id for n in self.index.items}

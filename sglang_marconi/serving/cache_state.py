@@ -17,7 +17,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from sglang_marconi.serving.probation import ProbationRegistry
+from sglang_marconi.policy.probation import ProbationRegistry
 
 
 @dataclass

@@ -5,10 +5,15 @@ scheduler, no collective of our own.
   reads the tokenizer (PP stage 0, attention-TP rank 0, attention-CP rank 0: our group's leader),
   and its result, `local_reqs`, rides the same broadcast as the requests: across the TP group, or
   with DP attention across the attention TP x CP group that shares one waiting queue (the
-  channel scoped to one tree). Stage 0 relays the whole list to the next PP stage. The leader's
-  pending directives are appended there.
+  channel scoped to one tree). Stage 0 relays the whole list to the next PP stage. Copies of
+  the leader's pending directives are appended there, at every poll until they come back: when
+  SGLang skips a receive (`--scheduler-recv-interval` > 1, `SchedulerRequestReceiver.
+  recv_requests` returns before the broadcast) the poll's list is dropped, and the next poll
+  hands the same directives out again.
 - BEFORE `Scheduler.process_input_requests`: on every rank, directives are taken out of the list
-  (SGLang's dispatcher does not know them) and applied in order. The caller keeps its own list,
+  (SGLang's dispatcher does not know them) and applied in order, each once (a copy already
+  applied is ignored). The leader processes the list the broadcast hands back to it too: that is
+  where a directive leaves its outbox (`lockstep.GroupChannel`). The caller keeps its own list,
   directives included, which is what a PP stage relays onward.
 
 Every rank therefore applies a directive at the same iteration, before that iteration's requests

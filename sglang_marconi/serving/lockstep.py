@@ -107,27 +107,58 @@ class LocalChannel:
 
 
 class GroupChannel:
-    """A rank of a group: the leader's directives wait in `outbox` until the next iteration's
-    requests carry them to every rank (`group_channel.py` in a server, a test's broadcast
-    elsewhere); `receive` applies one on whichever rank it reaches, in order, exactly once."""
+    """A rank of a group. The leader's directives wait in `outbox` until they come back to it
+    through the broadcast that hands every rank the iteration's requests (`group_channel.py` in
+    a server, a test's broadcast elsewhere): `drain` hands out copies of every pending one at
+    each poll, and only `receive` takes one out, on the leader, as it applies it. A poll whose
+    list never reaches the broadcast (SGLang skips a receive) so loses nothing: the next poll
+    hands the same directives out again. `receive` applies each directive once, in order, on
+    whichever rank it reaches; a second copy is ignored.
 
-    def __init__(self, apply: Callable[[Directive], None]):
+    Bounded: a directive handed out `bound` times without coming back, or `bound` directives
+    pending at once, stop the leader with one error naming the oldest. A skipped receive
+    keeps a directive out at most `--scheduler-recv-interval` polls with SGLang's default
+    skipper weights (a receive when the weights of the polls since the last one reach the
+    interval; every weight >= 1), and the runtime sends at most one directive per sync point,
+    so the default bound is reached only when directives are not getting through at all."""
+
+    DEFAULT_BOUND = 100_000
+
+    def __init__(self, apply: Callable[[Directive], None], bound: int = DEFAULT_BOUND):
+        if bound < 1:
+            raise ValueError(f"GroupChannel bound must be >= 1, got {bound}")
         self._apply = apply
-        self.outbox: list[Directive] = []
+        self.bound = bound
+        self.outbox: list[Directive] = []  # sent here, not yet back: oldest first
+        self.handed_out = 0  # polls the oldest pending directive has gone out on
         self.applied = -1  # seq of the last directive applied here
 
     def send(self, directive: Directive) -> None:
+        if len(self.outbox) >= self.bound:
+            self._stuck(f"{len(self.outbox)} directives are pending")
         self.outbox.append(directive)
 
     def drain(self) -> list:
-        out, self.outbox = self.outbox, []
-        return out
+        """Every pending directive, in order; they stay pending until `receive` sees them."""
+        if not self.outbox:
+            return []
+        if self.handed_out >= self.bound:
+            self._stuck(f"it went out on {self.handed_out} polls")
+        self.handed_out += 1
+        return list(self.outbox)
+
+    def _stuck(self, why: str) -> None:
+        raise MarconiError(f"Marconi directive {self.outbox[0].seq} never came back through the request "
+                           f"broadcast ({why}): the leader's directives do not reach the group's ranks")
 
     def receive(self, directive: Directive) -> None:
         if directive.seq <= self.applied:
-            return  # already applied (a relayed list can reach a rank once only, but be safe)
+            return  # a copy already applied (handed out again after a skipped receive, or relayed twice)
         if directive.seq != self.applied + 1:
             raise MarconiError(f"Marconi directive {directive.seq} arrived after {self.applied}: "
                                "one was lost between the group's ranks")
         self.applied = directive.seq
+        while self.outbox and self.outbox[0].seq <= directive.seq:  # back at the leader: done
+            del self.outbox[0]
+            self.handed_out = 0
         self._apply(directive)

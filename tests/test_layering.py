@@ -12,6 +12,7 @@ FORBIDDEN = {
     "policy": ("torch", "sglang", "sglang_marconi.sim", "sglang_marconi.serving", "libcachesim"),
     "sim": ("torch", "sglang", "sglang_marconi.serving", "libcachesim"),
     "serving": ("sglang_marconi.sim", "libcachesim"),  # SGLang only inside functions: checked below
+    "plan": ("torch", "sglang", "sglang_marconi.serving", "libcachesim"),  # sits above sim: may import sim and policy, never an engine
 }
 
 

@@ -1,0 +1,1 @@
+"""The operator's planner: `python -m sglang_marconi.plan` (see `cli.py`)."""

@@ -6,10 +6,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from sglang_marconi.plan import grid
+from sglang_marconi.plan.grid import Plan, Row
 from sglang_marconi.plan.cli import main
 from sglang_marconi.policy.model_profile import load_profile
 from sglang_marconi.sim.cli import main as sim_main
@@ -164,22 +166,38 @@ def test_numbers_are_the_simulators_own(which, request, tmp_path):
     assert checked >= 5
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["--trace", "/no/such/trace.jsonl", "--model", MODEL, "--memory", "80GB"], "/no/such/trace.jsonl"),
-    (["--workload", SYNTHETIC, "--model", "no-such-model", "--memory", "80GB"], "no-such-model"),
-    (["--workload", SYNTHETIC, "--model", MODEL, "--memory", "80 gigs"], "80 gigs"),
-    (["--workload", SYNTHETIC, "--model", MODEL, "--memory", "1GB", "--host-memory", "lots"], "lots"),
-    (["--workload", SYNTHETIC, "--model", MODEL, "--memory", "100MB"], "100MB"),
-    (["--workload", SYNTHETIC, "--model", "llama-3-8b", "--memory", "80GB"], "llama-3-8b"),
-    (["--workload", SYNTHETIC, "--model", MODEL, "--memory", "80GB", "--limit", "0"], "0"),
-    (["--workload", "synthetic:no-such-kind", "--model", MODEL, "--memory", "80GB"], "no-such-kind"),
+@pytest.mark.parametrize("argv, start", [
+    (["--trace", "/no/such/trace.jsonl", "--model", MODEL, "--memory", "80GB"],
+     "error: /no/such/trace.jsonl: no such trace file"),
+    (["--workload", SYNTHETIC, "--model", "no-such-model", "--memory", "80GB"], "error: unknown profile 'no-such-model'"),
+    (["--workload", SYNTHETIC, "--model", MODEL, "--memory", "80 gigs"], "error: --memory: cannot read capacity '80 gigs'"),
+    (["--workload", SYNTHETIC, "--model", MODEL, "--memory", "1GB", "--host-memory", "lots"],
+     "error: --host-memory: cannot read capacity 'lots'"),
+    (["--workload", SYNTHETIC, "--model", MODEL, "--memory", "100MB"],
+     "error: --memory '100MB' is too small for one request: the longest request needs"),
+    (["--workload", SYNTHETIC, "--model", "llama-3-8b", "--memory", "80GB"],
+     "error: --model 'llama-3-8b': the planner splits memory between KV and Mamba pools"),
+    (["--workload", SYNTHETIC, "--model", MODEL, "--memory", "80GB", "--limit", "0"], "error: --limit must be >= 1, got 0"),
+    (["--workload", "synthetic:no-such-kind", "--model", MODEL, "--memory", "80GB"], "error: "),
 ])
-def test_bad_input_is_one_line_and_exit_2(argv, named, capsys):
+def test_bad_input_is_one_line_and_exit_2(argv, start, capsys):
     assert main([*argv, "--no-progress"]) == 2
     captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], captured.err
+    assert captured.err.endswith("\n") and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith(start), captured.err
+    if argv[1].startswith("synthetic:no-such-kind"):
+        assert "no-such-kind" in captured.err
     assert captured.out == ""
+
+
+def test_the_best_row_ranks_by_flops_saved_then_hit_rate_then_ttft():
+    def row(share, flops, hit, ttft):
+        return Row(grid.Config("served", "lru", share, 1, 4, "no_buffer"),
+                   SimpleNamespace(flops_saved_fraction=flops, token_hit_rate=hit, modeled_ttft_p95_s=ttft))
+
+    rows = [row(0.1, 0.30, 0.90, 1.0), row(0.2, 0.40, 0.50, 1.0), row(0.3, 0.40, 0.50, 0.5), row(0.4, 0.40, 0.50, 0.5)]
+    best = Plan(rows, infinite=None).best()
+    assert best is rows[2]  # most FLOPs saved, then the lower modeled TTFT; a full tie goes to the first listed
 
 
 def test_the_command_exits_2_with_one_line():

@@ -143,16 +143,19 @@ def upstream_cache(ctx, why: str):
 
 
 def agree_on_settings(group, ctx) -> None:
-    """Start-up: every rank of the group was given the same Marconi settings (the raw
-    SGLANG_MARCONI_CONFIG, before any rank parses it, and our version), or all refuse to start."""
+    """Start-up: every rank of the group runs the same `sglang_marconi` source (a digest of the
+    installed files: the version string does not change between commits) and was given the same
+    Marconi settings (the raw SGLANG_MARCONI_CONFIG, before any rank parses it), or all refuse to
+    start. Two agreements, so the error names which of the two differs."""
     import os
 
-    from sglang_marconi import __version__
     from sglang_marconi.serving.config import ENV_VAR
     from sglang_marconi.serving.lockstep import settings_digest
+    from sglang_marconi.serving.source_digest import package_source_digest
 
-    group.agree_on_settings(settings_digest(__version__, os.environ.get(ENV_VAR, ""),
-                                            getattr(ctx.params, "page_size", None)))
+    group.agree_on_settings(settings_digest(package_source_digest()),
+                            "sglang_marconi source (install the same sglang_marconi files on every rank)")
+    group.agree_on_settings(settings_digest(os.environ.get(ENV_VAR, ""), getattr(ctx.params, "page_size", None)))
 
 
 def marconi_radix_cache_factory(ctx):

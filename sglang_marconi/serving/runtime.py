@@ -411,19 +411,42 @@ def _parallel_ranks() -> dict:
     return {k: v for k, v in ranks.items() if isinstance(v, int)}
 
 
+SPEC_FIELDS = ("speculative_algorithm", "speculative_num_draft_tokens")
+
+
 def speculative_settings():
     """(algorithm, draft tokens per verify) of this server's speculative decoding (SGLang's
-    runtime context), or None without it (or outside a server)."""
-    try:
-        from sglang.srt.runtime_context import get_spec
+    runtime context), or None without it, or outside a server (no server args published: a cache
+    built alone). Read strictly: whether a speculative request SGLang keeps out of the tree counts
+    as a release (so where sync points fall) depends on it, so a name SGLang no longer publishes
+    stops start-up with one line naming it instead of silently reading "off"."""
+    from sglang_marconi.policy.errors import MarconiError
 
-        spec = get_spec()
-        algorithm = spec.speculative_algorithm
-    except Exception:  # noqa: BLE001 - no server context
-        return None
+    try:
+        from sglang.srt.runtime_context import get_context, get_spec
+    except ImportError as exc:
+        raise MarconiError(f"speculative settings: sglang.srt.runtime_context has no get_context/get_spec ({exc})") from None
+    context = get_context()
+    if not context.is_config_namespace_published("spec"):
+        if not context.is_config_namespace_published("memory"):
+            return None  # no server args published at all
+        raise MarconiError("speculative settings: SGLang's runtime context publishes no 'spec' namespace")
+    spec = get_spec()
+    missing = [name for name in SPEC_FIELDS if not _has_leaf(spec, name)]
+    if missing:
+        raise MarconiError(f"speculative settings: SGLang's 'spec' namespace has no {', '.join(missing)}")
+    algorithm = spec.speculative_algorithm
     if not algorithm:
         return None
     return str(algorithm).upper(), int(spec.speculative_num_draft_tokens or 0)
+
+
+def _has_leaf(bag, name: str) -> bool:
+    try:
+        getattr(bag, name)
+    except AttributeError:  # SGLang's config bags raise it for a name they do not hold
+        return False
+    return True
 
 
 def speculative_skip(req) -> bool:

@@ -106,7 +106,7 @@ def make_plan(args: argparse.Namespace, progress: bool = False):
         if bar is not None:
             bar.set_description(f"{config.policy}: {config.label()}")
         rows.append(Row(config, grid.run_config(config, workload, profile, chunk_size=args.chunked_prefill_size,
-                                                probation=args.probation == "on", **common)))
+                                                probation=args.probation == "on", progress=progress, **common)))
         if bar is not None:
             bar.update()
     infinite = grid.run_infinite(workload, profile, **common)

@@ -149,7 +149,8 @@ def tiered_configs(memory: int, host: int) -> list[Config]:
 
 
 def run_config(config: Config, workload, profile, *, limit: int | None, gpu: str, chunk_size: int | None,
-               probation: bool, sync_every: int = 32, tuning: ShadowConfig | None = None) -> RunResult:
+               probation: bool, sync_every: int = 32, tuning: ShadowConfig | None = None,
+               progress: bool = False) -> RunResult:
     """One configuration, replayed as `python -m sglang_marconi.sim` replays it (same policy, same
     tuning defaults)."""
     tuning = tuning or ShadowConfig()
@@ -163,7 +164,7 @@ def run_config(config: Config, workload, profile, *, limit: int | None, gpu: str
         if name == "marconi":  # the sim's automatic shadow sample rate for a byte budget
             tuning = shadow_config_for(workload, profile, capacity, tuning, None)
         policy = build_policy(name, profile, capacity, tuning=tuning, host_capacity=config.host_bytes)
-    return replay(workload, policy, profile, capacity, gpu=gpu, progress=False, limit=limit)
+    return replay(workload, policy, profile, capacity, gpu=gpu, progress=progress, limit=limit)
 
 
 def run_infinite(workload, profile, *, limit: int | None, gpu: str) -> RunResult:

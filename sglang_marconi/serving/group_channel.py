@@ -22,7 +22,11 @@ and batch, whatever each rank's pace. A scheduler whose cache is not Marconi's n
 
 from __future__ import annotations
 
+import logging
+
 from sglang_marconi.serving.lockstep import Directive
+
+log = logging.getLogger("sglang_marconi")
 
 POLL_TARGET = "sglang.srt.managers.scheduler.Scheduler._poll_timeout_aborts"
 PROCESS_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_input_requests"
@@ -44,13 +48,20 @@ def after_poll_timeout_aborts(result, scheduler, *args, **kwargs):
 def before_process_input_requests(scheduler, recv_reqs, *args, **kwargs):
     if not recv_reqs or not any(isinstance(r, Directive) for r in recv_reqs):
         return None
-    channel = getattr(_runtime(scheduler), "channel", None)
+    runtime = _runtime(scheduler)
+    channel = getattr(runtime, "channel", None)
     kept = []
     for req in recv_reqs:
         if not isinstance(req, Directive):
             kept.append(req)
         elif channel is not None and hasattr(channel, "receive"):
+            before = channel.applied
             channel.receive(req)
+            if channel.applied != before:
+                # One line per directive and rank (SGLang prefixes the rank): where the group
+                # applied it can be compared rank by rank.
+                log.info("Marconi directive %d applied at iteration %s after %s releases", req.seq,
+                         getattr(scheduler, "forward_ct", None), getattr(runtime, "released", None))
     return (scheduler, kept, *args), kwargs
 
 

@@ -10,6 +10,9 @@ Nemotron-H model supports PP, its Qwen3-Next one asserts a single stage) and `--
   responses equal cold ones, and the shadow tuner moves the cache off LRU, on every rank at the
   same point of the stream (the leader's directive rides the requests: no collective of ours on
   the batch path, which under PP used to deadlock stage 0 against stage 1).
+- `--scheduler-recv-interval 4` on two TP ranks (SGLang skips three receives of four while
+  decoding, and a skipped receive drops what the leader added to it): every directive the leader
+  sends is applied by both ranks at the same iteration (each rank logs each one it applies).
 - Data parallel: each replica has its own cache and tuner (`/server_info` has one `marconi`
   entry per replica; a prefix cached by one replica is not a hit on the other), and the
   Prometheus gauges carry the replica's `dp_rank`.
@@ -21,6 +24,7 @@ cpu_distributed.py`, `live_server.cpu_engine_env`.
 from __future__ import annotations
 
 import random
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -186,6 +190,80 @@ class TestTensorParallel:
         assert figures["marconi_tuning_failures"] == 0
         assert figures["marconi_choice"] != "lru", (len(responses), figures)
         assert figures["marconi_choice_switches"] >= 1, figures
+
+
+# ------------------------------------------ --tp-size 2 --scheduler-recv-interval 4
+
+# SGLang receives (and broadcasts) requests only every 4th decode step: a directive handed out on
+# a skipped receive must come out again on the next. Sync points every 2 releases and a tuner that
+# decides every request make directives frequent.
+SKIP_ARGS = (*TP_ARGS[:TP_ARGS.index("--marconi-tune-epoch")], "--marconi-tune-epoch", "1",
+             "--marconi-tune-sync-every", "2", "--scheduler-recv-interval", "4",
+             "--log-level", "info")  # each rank logs each directive it applies
+SKIP_MIN_WAVES, SKIP_MAX_WAVES, SKIP_DIRECTIVES = 2, 6, 3
+APPLIED = re.compile(r"^\[[^\]]* TP(\d)\] Marconi directive (\d+) applied at iteration (\d+) after (\d+) releases")
+
+
+def applied_by_rank(log_path) -> dict[str, list[tuple[int, int, int]]]:
+    """(directive, iteration, releases) of each directive each TP rank applied, from its log lines."""
+    applied = {"0": [], "1": []}
+    for line in log_path.read_text(errors="replace").splitlines():
+        if m := APPLIED.match(line):
+            applied[m.group(1)].append(tuple(int(g) for g in m.groups()[1:]))
+    return applied
+
+
+@pytest.fixture(scope="class")
+def skip_server(tiny_model, tmp_path_factory):
+    from live_server import start_server
+
+    log = tmp_path_factory.mktemp("server-logs") / "tp2-recv-interval-4.log"
+    server = start_server(tiny_model("gated-delta"), extra_args=SKIP_ARGS, log_path=log, hard_limit_s=900,
+                          env={"SGLANG_ENABLE_RANK_CONSENSUS_CHECKER": "1"})
+    yield server
+    server.stop()
+
+
+class TestSkippedReceives:
+    """`--scheduler-recv-interval 4` on two TP ranks under concurrent evicting load."""
+
+    def test_every_rank_applies_every_directive_at_the_same_iteration(self, skip_server):
+        url = skip_server.url
+        before = server_info(url)["internal_states"][0]["marconi"]
+        responses, figures = [], before
+        while len(responses) < SKIP_MAX_WAVES * WAVE and (
+                len(responses) < SKIP_MIN_WAVES * WAVE or figures["marconi_directives_applied"] < SKIP_DIRECTIVES):
+            first = len(responses)
+            responses += run_concurrently(url, [prompt(i) for i in range(first, first + WAVE)])
+            figures = server_info(url)["internal_states"][0]["marconi"]
+        # Every request completed, in full.
+        assert [r.input_ids for r in responses] == [prompt(i) for i in range(len(responses))]
+        assert all(len(r.output_ids) == MAX_NEW for r in responses)
+        assert figures["marconi_requests"] - before["marconi_requests"] == len(responses)
+        # A directive still out when the load stops comes back at a later receive (a request
+        # makes sure there is one).
+        deadline = time.monotonic() + 30
+        while True:
+            applied = applied_by_rank(skip_server.log_path)
+            figures = server_info(url)["internal_states"][0]["marconi"]
+            sent = figures["marconi_directives_sent"]
+            if len(applied["0"]) == len(applied["1"]) == figures["marconi_directives_applied"] == sent:
+                break
+            assert time.monotonic() < deadline, (applied, figures["marconi_directives_applied"], sent)
+            generate(url, tokens(50, 20), 1)
+            time.sleep(0.5)
+        assert skip_server.process.poll() is None
+        # Every directive, in order, none lost (a gap stops every rank), on both ranks at the same
+        # iteration and the same point of the request stream.
+        assert sent >= 1, "no directive was sent: the test would prove nothing"
+        assert [seq for seq, _, _ in applied["0"]] == list(range(len(applied["0"])))
+        assert applied["0"] == applied["1"]
+        assert figures["marconi_tuning_failures"] == 0
+        log = skip_server.log_path.read_text(errors="replace")
+        assert "Rank consensus checker is enabled" in log
+        assert DIVERGENCE not in log, next(line for line in log.splitlines() if DIVERGENCE in line)[:2000]
+        assert "MarconiError" not in log
+        print(f"{len(responses)} requests, {sent} directives, {figures['marconi_choice_switches']} switches")
 
 
 # ---------------------------------------------------------------- --pp-size 2

@@ -366,6 +366,7 @@ class MarconiRuntime:
             "marconi_sync_waits_late": self.sync_waits_late,
             "marconi_sync_wait_seconds": self.sync_wait_s_total,
             "marconi_directives_applied": self.directives_applied,
+            "marconi_directives_sent": self._sent,  # the leader's; a directive is lost if they part
             **self.faults.figures(),
             "marconi_two_pass_splits": two_pass.splits + two_pass.continuation_splits,
             "marconi_two_pass_skipped": two_pass.skipped_other_chunked + two_pass.skipped_unaligned,

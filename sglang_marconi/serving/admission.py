@@ -138,8 +138,12 @@ def admission_mixin():
                 cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
                 if cache_len:
                     counters.final_states_admitted += 1
-                elif self._marconi_confirm_own_probationary(state):
-                    counters.final_states_admitted += 1
+                else:
+                    try:  # the probation registry is primary data: a fault is unrecoverable
+                        if self._marconi_confirm_own_probationary(state):
+                            counters.final_states_admitted += 1
+                    except Exception as exc:
+                        self._unrecoverable("admission (final state confirmed)", exc)
                 return cache_len
             extra_buffer = self.cache.enable_mamba_extra_buffer
             try:

@@ -100,16 +100,28 @@ def _component_classes():
         def _marconi_active(self) -> bool:
             return self.marconi.faults.fallen_back is None
 
-        def _index_fault(self, where: str, exc: BaseException) -> None:
-            """The index (derived from the tree) failed: rebuilt from the tree at its next use."""
+        def _index_fault(self, where: str, exc: BaseException) -> bool:
+            """The index (derived from the tree) failed: rebuilt from the tree at its next use.
+            False past the recovery bound (a rank alone fell back: decide nothing with it)."""
             self.marconi.index.invalidate()
-            self.marconi.faults.recovered(f"{type(self).__name__}.{where}", exc)
+            if self.marconi.faults.recovered(f"{type(self).__name__}.{where}", exc):
+                return True
+            self.marconi.probation.clear()
+            return False
 
         def _unrecoverable(self, where: str, exc: BaseException) -> None:
             """Raises on a rank of a group; a rank alone falls back to upstream from here on."""
             self.marconi.faults.unrecoverable(f"{type(self).__name__}.{where}", exc)
             self.marconi.index.invalidate()
             self.marconi.probation.clear()
+
+        def _primary(self, where: str, record, *args) -> None:
+            """Record primary data (a state's use time, the probation registry): not derived from
+            the tree, so a fault midway cannot be rebuilt away and is unrecoverable."""
+            try:
+                record(*args)
+            except Exception as exc:
+                self._unrecoverable(where, exc)
 
         def _index(self, where: str, update, node, *more) -> None:
             if self._marconi_active():
@@ -126,7 +138,8 @@ def _component_classes():
                 index.use_value_column(self.marconi.settings.value_kind)
                 return pick(index)
             except Exception as exc:
-                self._index_fault(where, exc)
+                if not self._index_fault(where, exc):
+                    return _GONE
             try:
                 return pick(index)
             except Exception as exc:
@@ -282,9 +295,12 @@ def _component_classes():
                 self._index("refresh_lru", self.marconi.index.stamp, node)  # _touch_node stamped it
             elif phase is LRURefreshPhase.MATCH_END and node.component_data[self.component_type].value is not None:
                 # The state a match reuses, the only one refreshed (before SGLang stamps the path).
-                record_state_use(node, get_and_increase_time_counter())
-                self.marconi.probation.confirm(node)
+                self._primary("refresh_lru (state use)", self._state_reused, node, get_and_increase_time_counter())
                 self._index("refresh_lru", self.marconi.index.state_used, node)
+
+        def _state_reused(self, node, now) -> None:
+            record_state_use(node, now)
+            self.marconi.probation.confirm(node)
 
         def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
             super().commit_insert_component_data(
@@ -292,7 +308,12 @@ def _component_classes():
             )
             if not self._marconi_active():
                 return
-            record_state_use(node, get_and_increase_time_counter())
+            self._primary("commit_insert_component_data (state use, probation)", self._state_committed, node,
+                          get_and_increase_time_counter(), params, result)
+            self._index("commit_insert_component_data", self.marconi.index.state_used, node)
+
+        def _state_committed(self, node, now, params, result) -> None:
+            record_state_use(node, now)
             intent = getattr(params, "marconi", None)  # the inserting request's MarconiRequestState
             if intent is not None and intent.probationary_insert:
                 if not result.mamba_exist:  # a new state, not a reuse of one already there
@@ -300,11 +321,11 @@ def _component_classes():
                     intent.probation_node = node
             else:
                 self.marconi.probation.confirm(node)
-            self._index("commit_insert_component_data", self.marconi.index.state_used, node)
 
         def evict_component(self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE):
             freed = super().evict_component(node, device_frees, host_frees, cache_actions, target=target)
-            self.marconi.probation.forget(node)  # its state (or the node) is gone, whoever took it
+            # its state (or the node) is gone, whoever took it
+            self._primary("evict_component (probation)", self.marconi.probation.forget, node)
             return freed
 
         def _probationary_victim(self):
@@ -324,7 +345,15 @@ def _component_classes():
                 return None
             walk, settings = self.marconi.walk, self.marconi.settings
             if self._marconi_active() and (settings.probation or walk.probation_only):
-                probationary = self._probationary_victim()
+                try:
+                    probationary = self._probationary_victim()
+                except Exception as exc:  # the registry is primary data: nothing to rebuild it from
+                    self._unrecoverable("victim choice (probationary)", exc)
+                    if walk.probation_only:
+                        return None  # a probationary state's room: nothing else may go for it
+                    if self._marconi_upstream_walk:
+                        return super()._evict_device_next_node(tracker, device_frees, host_frees, cache_actions)
+                    return self._upstream_step(tracker, device_frees, host_frees, cache_actions)
                 if probationary is not None:
                     self._report(MAMBA_PRESSURE, "probationary", probationary)
                     leaf = probationary in self.tree_core.evictable_device_leaves

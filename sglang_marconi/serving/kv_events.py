@@ -200,14 +200,19 @@ def add_kv_events_state(result, controller, state, *args, **kwargs):
     marconi = getattr(cache, "marconi", None)
     if marconi is None or marconi.runtime is None:
         return result
-    tracker = marconi.kv_state_events
-    entry = tracker.figures() if tracker is not None else {"schema_version": SCHEMA_VERSION, "states_published": 0}
-    if os.environ.get(DEBUG_ENV) == "1":
-        try:
-            entry["reusable_points"] = sorted([h, n] for h, n in tree_reusable_points(cache).items())
-        except Exception as exc:  # a readback must not fail the scheduler
-            entry["reusable_points_error"] = f"{type(exc).__name__}: {exc}"
-    entry["dp_rank"] = _dp_rank()
+    try:  # rank-local (faults.py): a readback must not fail the scheduler
+        tracker = marconi.kv_state_events
+        entry = tracker.figures() if tracker is not None else {"schema_version": SCHEMA_VERSION, "states_published": 0}
+        if os.environ.get(DEBUG_ENV) == "1":
+            try:
+                entry["reusable_points"] = sorted([h, n] for h, n in tree_reusable_points(cache).items())
+            except Exception as exc:
+                entry["reusable_points_error"] = f"{type(exc).__name__}: {exc}"
+        entry["dp_rank"] = _dp_rank()
+    except Exception as exc:
+        marconi.faults.rank_local("kv_events readback", "the /server_info marconi_kv_events readback", exc,
+                                  stops=False)
+        entry = {"schema_version": SCHEMA_VERSION, "readback_error": f"{type(exc).__name__}: {exc}"}
     state["marconi_kv_events"] = entry
     return result
 

@@ -195,16 +195,33 @@ class PrometheusGauges:
             self.by_choice["marconi_shadow_score"].labels(**self.labels, choice=choice).set(score)
 
 
+SERVER_INFO = "server_info"  # the rank-local feature a failing readback reports (faults.py)
+
+
 def add_marconi_state(result, controller, *args, **kwargs):
-    """HookRegistry AFTER hook on the scheduler's internal-state readback (`/server_info`)."""
+    """HookRegistry AFTER hook on the scheduler's internal-state readback (`/server_info`).
+    Rank-local (`faults.py`): a failure in Marconi's figures costs them in this readback (one
+    warning; the entry says why); SGLang's own readback and the tree are untouched."""
     cache = getattr(controller.scheduler, "tree_cache", None)
     runtime = getattr(cache, "marconi_runtime", None)
     if runtime is not None:
-        result.internal_state["marconi"] = runtime.metrics(cache)
+        result.internal_state["marconi"] = _marconi_figures(runtime, cache)
     elif getattr(cache, "marconi_fallback", None):  # the backend stepped aside (plugin.py)
         result.internal_state["marconi"] = {"marconi_eviction_policy": "upstream",
                                             "marconi_fallback": cache.marconi_fallback}
     return result
+
+
+def _marconi_figures(runtime, cache) -> dict:
+    try:
+        return runtime.metrics(cache)
+    except Exception as exc:  # tried again at the next readback (on demand: its cost is the caller's)
+        faults = runtime.faults
+        faults.rank_local(SERVER_INFO, "the /server_info readback", exc, stops=False)
+        in_force = "marconi-swa" if hasattr(runtime, "swa_figures") else "marconi"  # (SWARuntime's name)
+        return {"marconi_eviction_policy": "upstream" if faults.fallen_back is not None else in_force,
+                **({"marconi_fault": faults.fallen_back} if faults.fallen_back is not None else {}),
+                "marconi_figures_error": f"{type(exc).__name__}: {exc}"}
 
 
 _hooks_registered = False

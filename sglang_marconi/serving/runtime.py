@@ -137,6 +137,7 @@ class MarconiRuntime:
         self.speculative = speculative_settings()  # (algorithm, draft tokens) or None
         self.channel = LocalChannel(self.apply) if self.group.single else GroupChannel(self.apply)
         self.faults.on_fall_back = self._on_fall_back
+        self.faults.position = lambda: self.released  # the recovery bound counts in releases
         if self._tuning:
             self.choices = self.tuner_spec(cache).choices
             self.settings.choice = self.tuner_spec(cache).start

@@ -32,9 +32,11 @@ a `WindowPlan` per cache. This module only translates SGLang's nodes and hooks i
   size) and takes the plan's next victim; a cache release flushes too, off the allocation path;
 - with nothing of ours left (everything locked, or held only by locked windows) the step is
   upstream's LRU walk, so an allocation never fails where upstream's would succeed. Faults follow
-  `faults.py`: the plan is derived from the tree, so a fault in it or a hook drops it and it is
-  rebuilt from the tree (one warning); a second fault in a row is unrecoverable (a rank alone:
-  upstream's walk from then on; a rank of a group: one clear error).
+  `faults.py`: the plan is derived from the tree and the window times, so a fault in it or in
+  a hook's plan upkeep drops it and it is rebuilt from the tree (one warning); a second fault in
+  a row, or one past the recovery bound, is unrecoverable (a rank alone: upstream's walk from
+  then on; a rank of a group: one clear error). The window times are primary data: written
+  whole before the plan hears of them, and a fault while writing them is unrecoverable.
 `plan_victims` is the from-scratch order (`window_plan.reference_plan`) on SGLang's tree: the
 reference, for tests. Full-KV pressure keeps SGLang's leaf LRU.
 
@@ -293,17 +295,19 @@ def marconi_swa_component_class():
                         raise RuntimeError(f"SWA plan repeats a victim it cannot evict: {victim}")
                     return victim
                 except Exception as exc:
-                    if attempt == 1:
-                        self._marconi_fault(exc, "victim choice")
-                    else:
+                    if attempt == 2:
                         self._marconi_unrecoverable("victim choice", exc)
+                    elif self._marconi_fault(exc, "victim choice"):
+                        continue
+                    return None
             return None
 
-        def _marconi_fault(self, exc: BaseException, where: str = "window plan") -> None:
-            """The plan (derived from the tree) failed: dropped, rebuilt from the tree at its next use."""
+        def _marconi_fault(self, exc: BaseException, where: str = "window plan") -> bool:
+            """The plan (derived from the tree) failed: dropped, rebuilt from the tree at its next
+            use. False past the recovery bound (a rank alone now serves upstream's eviction)."""
             if self.marconi_plan is not None:
                 self.marconi_plan.detach()
-            self.marconi_swa_settings.faults.recovered(f"MarconiSWAComponent.{where}", exc)
+            return self.marconi_swa_settings.faults.recovered(f"MarconiSWAComponent.{where}", exc)
 
         def _marconi_unrecoverable(self, where: str, exc: BaseException) -> None:
             """Raises on a rank of a group; a rank alone serves upstream's SWA eviction from here on."""
@@ -354,25 +358,45 @@ def marconi_swa_component_class():
 
         def _marconi_stamp_window(self, node) -> None:
             """Stamp the nodes holding the window before `node`'s end (`window_time`): what a hit
-            ending there reads, or what an insert ending there keeps."""
+            ending there reads, or what an insert ending there keeps. The stamps are primary data
+            (the plan is derived from them), so they are all written first, outside the plan's
+            guard: a fault there is unrecoverable. Only then is the plan told, under its guard: a
+            fault there drops the plan, rebuilt from stamps every rank holds alike."""
             if self.marconi_swa_settings.faulted or node is None:
                 return
             now = get_and_increase_time_counter()
-            plan, root, covered, cur = self.marconi_plan, self.tree_core.root_node, 0, node
             try:
-                while cur is not None and cur is not root and covered < self.sliding_window_size:
-                    cur._marconi_window_time = now
-                    if plan is not None:
-                        plan.stamped(cur)
-                    covered += len(cur.key)
-                    cur = cur.parent
+                stamped = self._marconi_write_window_time(node, now)
             except Exception as exc:
-                self._marconi_fault(exc, "window stamp")
+                self._marconi_unrecoverable("window stamp (recency)", exc)
+                return
+            plan = self.marconi_plan
+            if plan is None:
+                return
+            try:
+                for cur in stamped:
+                    plan.stamped(cur)
+            except Exception as exc:
+                self._marconi_fault(exc, "window stamp (plan)")
+
+        def _marconi_write_window_time(self, node, now) -> list:
+            """Write `now` as the window time of every node of the window before `node`'s end;
+            returns them."""
+            root, covered, cur, stamped = self.tree_core.root_node, 0, node, []
+            while cur is not None and cur is not root and covered < self.sliding_window_size:
+                cur._marconi_window_time = now
+                stamped.append(cur)
+                covered += len(cur.key)
+                cur = cur.parent
+            return stamped
 
         def redistribute_on_node_split(self, new_parent, child):
             super().redistribute_on_node_split(new_parent, child)
-            if "_marconi_window_time" in child.__dict__:  # the prefix was read or kept with its suffix
-                new_parent._marconi_window_time = child._marconi_window_time
+            try:  # primary data: unrecoverable
+                if "_marconi_window_time" in child.__dict__:  # the prefix was read or kept with its suffix
+                    new_parent._marconi_window_time = child._marconi_window_time
+            except Exception as exc:
+                self._marconi_unrecoverable("node split (recency)", exc)
             plan = self.marconi_plan
             if plan is not None:
                 try:
@@ -438,12 +462,19 @@ def marconi_swa_cache_class():
             # Keep the window before a new branch point until the prefix up to it is inserted
             # (SGLang inserts it with live SWA: the branch window Marconi's admission keeps).
             base = super().swa_retain_floor(req)
-            branch = getattr(req, "swa_branching_seqlen", None)
-            window = self.marconi.settings.window if self.marconi is not None else 0
-            if branch is None or not window:
+            state = self.marconi
+            if state is None or state.faults.fallen_back is not None:
                 return base
-            floor = max(0, branch - window) // self.page_size * self.page_size
-            return floor if base is None else min(base, floor)
+            try:  # admission (what SWA KV a request keeps for the tree): a fault is unrecoverable
+                branch = getattr(req, "swa_branching_seqlen", None)
+                window = state.settings.window
+                if branch is None or not window:
+                    return base
+                floor = max(0, branch - window) // self.page_size * self.page_size
+                return floor if base is None else min(base, floor)
+            except Exception as exc:
+                state.faults.unrecoverable("MarconiSWARadixCache.swa_retain_floor", exc)
+                return base
 
         def on_release(self, req, *, checkpointed):
             super().on_release(req, checkpointed=checkpointed)

@@ -414,3 +414,31 @@ def test_a_failing_kv_events_readback_does_not_take_down_the_handler(monkeypatch
     assert "Injected: no parallel context" in state["marconi_kv_events"]["readback_error"]
     assert "kv_events readback" in runtime.faults.rank_local_failures and runtime.faulted is None
 
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_a_fault_in_the_swa_retain_floor_is_unrecoverable(group):
+    from sglang_swa_cpu import run_swa_request
+
+    cc = build_swa_cache(kv_size=20_000, swa_size=4000, window=8)
+    if group:
+        cc.settings.faults = MarconiFaults(group_size=2, rank=1)
+    settings = cc.cache.marconi.settings
+
+    class BrokenWindow:  # what the floor reads of the settings: the window fails
+        faults = settings.faults
+
+        @property
+        def window(self):
+            raise Injected("injected into the retain floor")
+
+    cc.cache.marconi.settings = BrokenWindow()
+    prompt = list(range(1, 101))
+    if group:
+        with pytest.raises(MarconiGroupFault, match="swa_retain_floor"):
+            run_swa_request(cc, prompt, range(10_000, 10_200))
+        return
+    for i in range(3):  # decodes long past the window: SGLang frees the out-of-window SWA KV
+        run_swa_request(cc, prompt + [500 + i], range(10_000 * (i + 2), 10_000 * (i + 2) + 200))
+        cc.check_no_leak()
+    assert cc.settings.faulted is not None and "swa_retain_floor" in cc.settings.faulted

@@ -12,7 +12,7 @@ import pytest
 
 from sglang_marconi.plan import grid
 from sglang_marconi.plan.grid import Plan, Row
-from sglang_marconi.plan.cli import main
+from sglang_marconi.plan.cli import main, verdict
 from sglang_marconi.policy.model_profile import load_profile
 from sglang_marconi.sim.cli import main as sim_main
 
@@ -228,3 +228,24 @@ def test_gpu_memory_that_cannot_hold_weights_and_pools_is_refused(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --gpu-memory '10GB' holds less than") and "\n" not in err
+
+
+def fake_row(share, policy, flops, hit=None):
+    run = SimpleNamespace(flops_saved=flops * 1e15, flops_saved_fraction=flops, token_hit_rate=hit or flops,
+                          hit_tokens=int(flops * 1e6), modeled_ttft_p95_s=1.0, requests=100,
+                          choices_used=lambda: ["lru"] if policy == "lru" else ["lru", "0.5"])
+    return Row(grid.Config("served", policy, share, 1000, 8, "no_buffer"), run)
+
+
+def test_a_tie_at_the_best_split_still_names_where_marconi_gains():
+    rows = [fake_row(0.5, "lru", 0.20), fake_row(0.5, "marconi", 0.20),
+            fake_row(0.1, "lru", 0.04), fake_row(0.1, "marconi", 0.13), fake_row(0.3, "lru", 0.10),
+            fake_row(0.3, "marconi", 0.12)]
+    text = verdict(Plan(rows, infinite=SimpleNamespace(token_hit_rate=0.3, requests=100)))
+    assert text.startswith("verdict: nothing to gain here: tuned Marconi's best saves 20.00% of prefill FLOPs, "
+                           "LRU's best 20.00%: within 1% of each other")
+    assert text.endswith("; at a worse split Marconi does gain: most at Mamba 10% / KV 90%, no_buffer, "
+                         "4.00% -> 13.00%")
+    rows = [fake_row(0.5, "lru", 0.20), fake_row(0.5, "marconi", 0.20)]
+    text = verdict(Plan(rows, infinite=SimpleNamespace(token_hit_rate=0.3, requests=100)))
+    assert "worse split" not in text

@@ -105,7 +105,7 @@ class HybridPrefixCache:
         # A pure Transformer needs no SSM state to reuse a prefix (the paper's pure-attention axis).
         self.attention_only = self.ssm_state_bytes == 0
         self.tree = RadixTree(page_size)
-        self.index = CandidateIndex()
+        self.index = CandidateIndex(tie_key=CandidateIndex.node_id)
         self.kv_tokens = 0
         self.ssm_states = 0
         self.clock = 0.0

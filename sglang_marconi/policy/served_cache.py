@@ -653,14 +653,14 @@ class ServedCache:
             stack.extend(node.children.values())
 
     def _kv_victim(self) -> _Node | None:
-        index = CandidateIndex()
+        index = CandidateIndex(tie_key=CandidateIndex.node_id)
         for node in sorted((n for n in self._childless.values() if not n.full_lock and not n.mamba_lock),
                            key=lambda n: n.id):
             index.add(node, node.last_access, self._value(node, True) if node.state else 0.0)
         return index.lowest(self.weight) if len(index) else None
 
     def _mamba_victim(self) -> _Node | None:
-        index = CandidateIndex()
+        index = CandidateIndex(tie_key=CandidateIndex.node_id)
         for node in sorted((n for n in self._mamba_lru.values() if not n.mamba_lock and len(n.children) <= 1),
                            key=lambda n: n.id):
             leaf = self._is_leaf(node)

@@ -125,7 +125,7 @@ class ShadowCache:
         self.root = ShadowNode(None, None, np.empty(0, dtype=np.int64), 0, 0, 0)
         self.root.lock_count = 1
         self._next_id = 1
-        self.index = SmallCandidateIndex()
+        self.index = SmallCandidateIndex(tie_key=SmallCandidateIndex.node_id)
         self.kv_tokens = 0
         self.ssm_states = 0
         self.clock = 0.0

@@ -1,37 +1,34 @@
 """`CandidateIndex` for the shadow caches: the same entries in the same slots, so that every
 victim is the one `CandidateIndex.lowest` picks, for less per operation.
 
-- The columns live in Python lists (a store is cheaper than a numpy scalar store). The numpy
-  columns that `CandidateIndex.lowest` scores are kept in step only while the index is large
-  (from SMALL entries up, down to half that), and built from the lists when a small index needs
-  them (a near-tie, below): same values, same slots.
+- The columns and tie keys live in Python lists (a store is cheaper than a numpy scalar store).
+  The numpy arrays that `CandidateIndex.lowest` scores are kept in step only while the index is
+  large (from SMALL entries up, down to half that), and built from the lists when a small index
+  needs them (a subnormal span, below): same values, same slots.
 - `lowest` on a few candidates (a contended cache holds a handful: the shadows of a 1 GB cache
-  hold about six) scores them in plain Python instead of eight numpy calls. The reference
-  computes the scores with a BLAS dot whose rounding depends on a value's position in the array,
-  so the Python scores may differ from it in the last bits; the Python path therefore keeps its
-  answer only when the best score leads the second by far more than any such rounding (1e-12 x
-  the largest possible score, against errors of a few 1e-16), and otherwise asks the reference
-  itself, on the same slots. The victim is thus always the reference's, ties included.
+  hold about six) scores them in plain Python instead of several numpy calls. Each score is the
+  reference's, bit for bit: `w_t * (t - lo_t) + w_e * (e - lo_e)` rounds each operation on its own
+  in Python as in the reference's element-wise numpy (`candidate_index.weighted_scores`); exact
+  ties go to the smallest tie key, as there. A subnormal span (a weight overflows) asks the
+  reference itself.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from sglang_marconi.policy.candidate_index import _TIE_BREAK, CandidateIndex
+from sglang_marconi.policy.candidate_index import CandidateIndex, utility_weights
 
 SMALL = 32  # up to this many candidates the Python scores are cheaper than numpy's calls
-_GAP = 1e-12  # x (the largest possible score): a lead no rounding of the reference's dot can reverse
 
 
 class SmallCandidateIndex(CandidateIndex):
-    def __init__(self, initial_capacity: int = 64):
-        super().__init__(initial_capacity)
-        self.recency: list[float] = []  # the two columns, slot by slot
+    def __init__(self, initial_capacity: int = 64, tie_key=None):
+        super().__init__(initial_capacity, tie_key)
+        self.recency: list[float] = []  # the two columns and the tie keys, slot by slot
         self.value: list[float] = []
-        self._mirrored = False  # whether the numpy columns (`_t`, `_e`) are kept in step
+        self.keys: list = []  # ints, or tuples of ints
+        self._mirrored = False  # whether the numpy arrays (`_t`, `_e`, `_keys`) are kept in step
 
     @property
     def last_access(self) -> np.ndarray:
@@ -43,23 +40,33 @@ class SmallCandidateIndex(CandidateIndex):
 
     def _mirror(self) -> None:
         n = len(self.items)
-        self._columns = np.zeros((2, max(2 * n, 64)))
+        capacity = max(2 * n, 64)
+        self._columns = np.zeros((2, capacity))
         self._columns[0, :n] = self.recency
         self._columns[1, :n] = self.value
+        self._keys = np.zeros((self._key_width or 1, capacity), dtype=np.int64)
+        if n:
+            self._keys[:, :n] = np.array(self.keys, dtype=np.int64).reshape(n, -1).T
         self._t, self._e = self._columns[0], self._columns[1]
         self._mirrored = True
 
     def add(self, item, last_access: float, efficiency: float) -> int:
         slot = len(self.items)
+        key = self.key_of(item)
+        if type(key) is not int or self._key_width != 1:
+            row = self._key_row(item, key)
+            key = row[0] if len(row) == 1 else row
         self.items.append(item)
         self.recency.append(last_access)
         self.value.append(efficiency)
+        self.keys.append(key)
         if self._mirrored:
             if slot == self._columns.shape[1]:
                 self._mirror()
             else:
                 self._t[slot] = last_access
                 self._e[slot] = efficiency
+                self._keys[:, slot] = key
         elif slot >= SMALL:
             self._mirror()
         return slot
@@ -77,7 +84,7 @@ class SmallCandidateIndex(CandidateIndex):
             self._t[slot] = last_access
 
     def remove(self, slot: int):
-        items, recency, value = self.items, self.recency, self.value
+        items, recency, value, keys = self.items, self.recency, self.value, self.keys
         last = len(items) - 1
         moved = None
         if slot != last:
@@ -85,36 +92,50 @@ class SmallCandidateIndex(CandidateIndex):
             items[slot] = moved
             recency[slot] = recency[last]
             value[slot] = value[last]
+            keys[slot] = keys[last]
             if self._mirrored:
                 self._t[slot] = self._t[last]
                 self._e[slot] = self._e[last]
+                self._keys[:, slot] = self._keys[:, last]
         items.pop()
         recency.pop()
         value.pop()
+        keys.pop()
         if self._mirrored and last <= SMALL // 2:
             self._mirrored = False
         return moved
+
+    def least_key(self, slots) -> int:
+        keys = self.keys
+        return int(min(slots, key=lambda slot: keys[slot]))
+
+    def tie_key_at(self, slot: int) -> tuple:
+        key = self.keys[slot]
+        return key if isinstance(key, tuple) else (key,)
+
+    def scores(self, alpha: float) -> np.ndarray:
+        if not self._mirrored:
+            self._mirror()
+            self._mirrored = False  # a snapshot for this call only
+        return super().scores(alpha)
 
     def lowest(self, alpha: float):
         n = len(self.items)
         if n > SMALL:
             return super().lowest(alpha)
         recency = self.recency
-        lo_t = min(recency)
         if not alpha:
-            return self.items[recency.index(lo_t)]  # numpy's argmin: the first of equals
-        value = self.value
-        hi_t, lo_e, hi_e = max(recency), min(value), max(value)
-        w_t = (1.0 + _TIE_BREAK) / (hi_t - lo_t) if hi_t > lo_t else 0.0
-        w_e = alpha / (hi_e - lo_e) if hi_e > lo_e else 0.0
-        if not (math.isinf(w_t) or math.isinf(w_e)):
+            scores = recency
+        else:
+            value = self.value
+            lo_t, lo_e = min(recency), min(value)
+            weights = utility_weights(lo_t, max(recency), lo_e, max(value), alpha)
+            if weights is None:  # a subnormal span: the reference's division, on these slots
+                return super().lowest(alpha)  # (through `scores`, on a snapshot of the lists)
+            w_t, w_e = weights
             scores = [w_t * (t - lo_t) + w_e * (e - lo_e) for t, e in zip(recency, value)]
-            best = min(scores)
-            slot = scores.index(best)
-            scores[slot] = math.inf
-            if min(scores) - best > _GAP * (2.0 + alpha):
-                return self.items[slot]
-        # a near-tie (or a subnormal span): the reference's own arithmetic decides, on these slots
-        if not self._mirrored:
-            self._columns = np.array((recency, value))
-        return super().lowest(alpha)
+        best = min(scores)
+        slot = scores.index(best)  # numpy's argmin: the first of equals
+        if scores.count(best) > 1:
+            slot = self.least_key([i for i, s in enumerate(scores) if s == best])
+        return self.items[slot]

@@ -146,7 +146,7 @@ class TieredPrefixCache:
         self.attention_only = False  # read by policies' node_value (SegLen)
         self.verify = verify
         self.tree = _TieredTree(page_size)
-        self.index = CandidateIndex()  # device candidates
+        self.index = CandidateIndex(tie_key=CandidateIndex.node_id)  # device candidates
         self.host_index = HostCandidateIndex()
         self.kv_tokens = 0  # on the device
         self.ssm_states = 0  # on the device

@@ -25,8 +25,12 @@ Upkeep (O(1) per hook; the components call these): `touched` (recency, lock or l
 membership may have changed), `changed` (state, children or existence may have changed: also
 the first non-skippable node under each child when the node's skippability flips, since its
 anchor moved), `stamp` / `state_used` (copy a fresh recency in). Dirty nodes are re-evaluated by
-`flush()`, in node-id order (reproducible slots, hence ties). `check()` compares every entry with
-a from-scratch evaluation (tests).
+`flush()`. `check()` compares every entry with a from-scratch evaluation (tests).
+
+Ties: exact ties among candidates go to the smallest SGLang node id (the indexes' `tie_key`), never
+to a slot. SGLang numbers its nodes in creation order (a split keeps the child's id and numbers the
+new parent), which the request stream fixes on every rank, and a rebuild creates no node; the
+slots, on the contrary, depend on this rank's history of flushes and rebuilds.
 
 Derived state only: everything here is a function of the tree (and of each node's two recorded
 facts, `_marconi_end` and `_marconi_state_time`, which the components record before touching the
@@ -82,7 +86,7 @@ class MarconiTreeIndex:
 
     def _clear(self) -> None:
         self._flops: dict[tuple[int, int], float] = {}  # (start, end) -> prefill_flops, reused
-        self.indexes = (CandidateIndex(), CandidateIndex())
+        self.indexes = (CandidateIndex(tie_key=_node_id), CandidateIndex(tie_key=_node_id))
         self._slots: tuple[dict[int, int], dict[int, int]] = ({}, {})
         self._known: dict[int, bool] = {}  # node id -> skippable, as of its last flush
 
@@ -287,8 +291,7 @@ class MarconiTreeIndex:
                         child = next(iter(child.children.values()))
                     todo.add(child)
             self._known[node.id] = skippable
-        # A fixed order keeps slots, hence the order among equal scores, reproducible.
-        for node in sorted(todo, key=_node_id) if len(todo) > 1 else todo:
+        for node in todo:  # any order: slots decide no tie
             self._refresh(node)
 
     def _stated_ancestor(self, node):

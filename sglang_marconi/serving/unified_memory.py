@@ -7,7 +7,8 @@ walks the FULL component, deleting least recently used KV leaves until the Mamba
 the bytes, and only then evicts Mamba states. Here that same walk picks each victim across both
 kinds (`MarconiTreeIndex.choose_across`, the policy core's `lowest_across`): a KV leaf (its KV and its state) or an SSM state
 tombstoned on a single-child node (its KV stays), whichever has the lowest Marconi utility,
-FLOPs saved per byte freed with recency. Scoped to pure Mamba shortfalls (no KV tokens asked in
+FLOPs saved per byte freed with recency; exact ties to the smallest node id on every rank (then, for
+a leaf in both indexes, its KV entry). Scoped to pure Mamba shortfalls (no KV tokens asked in
 the same allocation, e.g. a branch state's slot or a decode's state): a KV shortfall keeps the
 KV walk over leaves, whose efficiency already counts their state's bytes, because the bytes a
 tombstone frees sit in the Mamba band and reach the KV side only through compaction.

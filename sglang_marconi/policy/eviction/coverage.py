@@ -53,11 +53,17 @@ class CoverageEviction(EvictionPolicy):
 
 
 def lowest_coverage(candidates: CandidateIndex):
-    """The candidate covering the fewest positions; ties to the least recently used."""
+    """The candidate covering the fewest positions; ties to the least recently used, then to the
+    smallest tie key (`CandidateIndex`: the same on every rank, whatever the slots)."""
     n = len(candidates)
     value = candidates.efficiency[:n]
-    ties = np.flatnonzero(value <= value.min())
-    return candidates.items[int(ties[candidates.last_access[ties].argmin()])]
+    ties = np.flatnonzero(value == value.min())
+    if len(ties) > 1:
+        recency = candidates.last_access[ties]
+        ties = ties[recency == recency.min()]
+        if len(ties) > 1:
+            return candidates.items[candidates.least_key(ties)]
+    return candidates.items[int(ties[0])]
 
 
 def uncovered_below(node, every_node_stated: bool = False, has_state=None, edge_length=None) -> int:

@@ -125,3 +125,60 @@ def test_ranks_agree_on_the_source_as_well_as_the_settings(monkeypatch):
     assert "sglang_marconi source" in source_what and settings_what == "Marconi settings"
     assert other_source[0] != same[0] and other_source[1] == same[1]  # the error names the one that differs
     assert other_settings[0] == same[0] and other_settings[1] != same[1]
+
+
+def _gloo_rank(rank, init_file, scenarios, queue):
+    """One rank of a two-rank gloo group: the plugin's start-up agreement once per scenario, with
+    this rank's source digest of that scenario (as if its files differed), the same settings."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from sglang_marconi.serving import plugin, source_digest
+    from sglang_marconi.serving.lockstep import RankGroup
+
+    outcomes = []
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+        group = RankGroup([dist.group.WORLD])
+        for sources in scenarios:
+            source_digest.package_source_digest = lambda: sources[rank]
+            try:
+                plugin.agree_on_settings(group, SimpleNamespace(params=SimpleNamespace(page_size=1)))
+                outcomes.append(None)
+            except Exception as exc:  # noqa: BLE001 - reported to the parent
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        outcomes.append(f"crashed: {type(exc).__name__}: {exc}")
+    finally:
+        queue.put((rank, outcomes))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _two_gloo_ranks(tmp_path, scenarios):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, str(tmp_path / "gloo-init"), scenarios, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return dict(queue.get(timeout=300) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def test_two_ranks_with_different_source_refuse_to_start_naming_it(tmp_path):
+    """Two real ranks: the same source agrees; one differing character refuses on both, in one line."""
+    pytest.importorskip("torch")
+    outcomes = _two_gloo_ranks(tmp_path, [("a" * 64, "a" * 64), ("a" * 64, "a" * 63 + "b")])
+    for rank in (0, 1):
+        same, differ = outcomes[rank]
+        assert same is None, outcomes
+        assert differ.startswith("MarconiError: ") and "sglang_marconi source" in differ, outcomes
+        assert "\n" not in differ

@@ -1,12 +1,20 @@
-"""The host tier's eviction candidates: `CandidateIndex` plus the host bytes each one frees.
+"""The host tier's eviction candidates: `CandidateIndex` plus what each one frees on the host.
 
-The bytes let a ranked demotion (Marconi's) ask, before evicting anything, whether the host can
-make room for an incoming node by evicting only candidates that rank below it: a vectorized sum
-over the candidates, instead of a trial eviction that may displace content and then drop the
-incoming node anyway.
+Two columns beside recency and value: the host bytes a candidate frees (`freed_bytes`) and the
+units of one host pool it frees (`units`: KV tokens or SSM states, per index). They let a ranked
+demotion (Marconi's) ask, before evicting anything, whether the host can make room for an
+incoming node by evicting only candidates that rank below it: a vectorized sum over the
+candidates, instead of a trial eviction that may displace content and then drop the incoming
+node anyway.
+
+Also the compressed-tree anchor every Marconi value counts its FLOPs from (`anchor_end`).
+
+Engine-free: nodes are duck-typed (`.parent`, `.children`, `.key`).
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -14,27 +22,34 @@ from sglang_marconi.policy.candidate_index import _TIE_BREAK, CandidateIndex
 
 
 class HostCandidateIndex(CandidateIndex):
-    def __init__(self, initial_capacity: int = 1024):
-        super().__init__(initial_capacity)
-        self._bytes = np.zeros(initial_capacity)
+    """`CandidateIndex` with two more columns per candidate: host bytes freed, pool units freed.
+    `tie_key` breaks exact score ties in `lowest` (`CandidateIndex`)."""
 
-    def add(self, item, last_access: float, efficiency: float, freed_bytes: int = 0) -> int:
+    def __init__(self, initial_capacity: int = 1024, tie_key: Optional[Callable[[Any], Any]] = None):
+        super().__init__(initial_capacity, tie_key=tie_key)
+        self._bytes = np.zeros(initial_capacity)
+        self._units = np.zeros(initial_capacity)
+
+    def add(self, item, last_access: float, efficiency: float, freed_bytes: int = 0, units: int = 0) -> int:
         slot = super().add(item, last_access, efficiency)
         if slot == len(self._bytes):
-            grown = np.zeros(self._columns.shape[1])
-            grown[:slot] = self._bytes
-            self._bytes = grown
+            size = self._columns.shape[1]
+            self._bytes = np.concatenate((self._bytes, np.zeros(size - len(self._bytes))))
+            self._units = np.concatenate((self._units, np.zeros(size - len(self._units))))
         self._bytes[slot] = freed_bytes
+        self._units[slot] = units
         return slot
 
-    def update(self, slot: int, last_access: float, efficiency: float, freed_bytes: int = 0) -> None:
+    def update(self, slot: int, last_access: float, efficiency: float, freed_bytes: int = 0, units: int = 0) -> None:
         super().update(slot, last_access, efficiency)
         self._bytes[slot] = freed_bytes
+        self._units[slot] = units
 
     def remove(self, slot: int):
         last = len(self.items) - 1
         if slot != last:
             self._bytes[slot] = self._bytes[last]
+            self._units[slot] = self._units[last]
         return super().remove(slot)
 
     def bytes_ranked_below(self, alpha: float, last_access: float, efficiency: float) -> float:
@@ -48,20 +63,43 @@ class HostCandidateIndex(CandidateIndex):
     def ranked_below(self, alpha: float, last_access: float, efficiency: float) -> np.ndarray:
         """Which candidates (a mask over `items`) rank strictly below an incoming node: the only
         ones a ranked admission may displace."""
-        n = len(self.items)
-        if not n:
-            return np.zeros(0, dtype=bool)
-        t, e = self._columns[0, :n], self._columns[1, :n]
-        lo_t, hi_t = min(float(t.min()), last_access), max(float(t.max()), last_access)
-        w_t = (1.0 + _TIE_BREAK) / (hi_t - lo_t) if hi_t > lo_t else 0.0
-        scores = (t - lo_t) * w_t
-        incoming = (last_access - lo_t) * w_t
-        if alpha:
-            lo_e, hi_e = min(float(e.min()), efficiency), max(float(e.max()), efficiency)
-            w_e = alpha / (hi_e - lo_e) if hi_e > lo_e else 0.0
-            scores = scores + (e - lo_e) * w_e
-            incoming += (efficiency - lo_e) * w_e
-        return scores < incoming
+        return ranked_below_across((self,), alpha, last_access, efficiency)[0]
 
     def freed_bytes(self, slot: int) -> float:
         return float(self._bytes[slot])
+
+    def units(self, slot: int) -> float:
+        return float(self._units[slot])
+
+    def units_where(self, mask: np.ndarray) -> int:
+        return int(self._units[:len(self.items)][mask].sum())
+
+
+def ranked_below_across(indexes, alpha: float, last_access: float, efficiency: float) -> list[np.ndarray]:
+    """Per index, which candidates rank strictly below an incoming node, both columns min-max
+    normalized over the union of the indexes and the incoming node (a candidate listed in two
+    indexes counts once in the extremes, as it would in one). One vectorized pass per index."""
+    live = [index._columns[:, :len(index)] for index in indexes]
+    ts = [float(c[0].min()) for c in live if c.shape[1]] + [last_access]
+    tt = [float(c[0].max()) for c in live if c.shape[1]] + [last_access]
+    lo_t, hi_t = min(ts), max(tt)
+    w_t = (1.0 + _TIE_BREAK) / (hi_t - lo_t) if hi_t > lo_t else 0.0
+    w_e = lo_e = 0.0
+    if alpha:
+        es = [float(c[1].min()) for c in live if c.shape[1]] + [efficiency]
+        ee = [float(c[1].max()) for c in live if c.shape[1]] + [efficiency]
+        lo_e, hi_e = min(es), max(ee)
+        w_e = alpha / (hi_e - lo_e) if hi_e > lo_e else 0.0
+    incoming = (last_access - lo_t) * w_t + (efficiency - lo_e) * w_e
+    return [(c[0] - lo_t) * w_t + (c[1] - lo_e) * w_e < incoming for c in live]
+
+
+def anchor_end(node, root, is_anchor: Callable[[Any], bool], end_of: Callable[[Any], int]) -> int:
+    """The end (tokens from the root) of `node`'s anchor on the paper's compressed tree: the
+    nearest ancestor that is the root, has several children or `is_anchor` (holds a state). The
+    stateless single-child nodes skipped belong to `node`'s compressed edge: a hit at `node`
+    saves the prefill from the anchor's end to `node`'s."""
+    parent = node.parent
+    while parent is not root and len(parent.children) == 1 and not is_anchor(parent):
+        parent = parent.parent
+    return end_of(parent)

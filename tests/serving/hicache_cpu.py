@@ -11,6 +11,7 @@ this file):
 | `_no_host_register` | `pool_host.common._cuda_host_register` (pins the host pools with `cudaHostRegister`) | needs a CUDA driver; pinning only speeds DMA, the bytes are the same | nothing to check: a no-op on an ordinary CPU tensor |
 | `transfer_kv_all_layer_direct_lf_pf`, `transfer_kv_per_layer_direct_pf_lf` | sgl-kernel's ops of those names (`--hicache-io-backend direct` with the `page_first_direct` host layout, device -> host all layers and host -> device one layer; bound in `pool_host/mha.py` and `pool_host/mamba.py` on CUDA/ROCm only) | no CPU build of sgl-kernel | `reference_lf_pf` / `reference_pf_lf` (token-by-token loops), `test_hicache_stand_ins_match_their_references` |
 | `torch.cpu.Stream.synchronize` | (missing on `torch.cpu.Stream`) called by `L2TransferEngine._submission` only when a transfer raised | a CPU stream is synchronous | - |
+| `pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES` = 0 | the 10 GiB of host RAM SGLang keeps free beside its host pools | these pools are kilobytes; on a loaded test machine the reserve alone fails their allocation | nothing to check: the pools' sizes are unchanged |
 
 `--hicache-io-backend direct --hicache-mem-layout page_first_direct` are the arguments
 `init_hicache` is given here (`MambaPoolHost` takes only the page-first layouts, and the `kernel`
@@ -72,11 +73,13 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    import sglang.srt.mem_cache.pool_host.base as host_base
     import sglang.srt.mem_cache.pool_host.common as common
     import sglang.srt.mem_cache.pool_host.mamba as mamba_host
     import sglang.srt.mem_cache.pool_host.mha as mha_host
 
     common._cuda_host_register = _no_host_register
+    host_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 0
     for module in (mha_host, mamba_host):
         module.transfer_kv_all_layer_direct_lf_pf = transfer_kv_all_layer_direct_lf_pf
         module.transfer_kv_per_layer_direct_pf_lf = transfer_kv_per_layer_direct_pf_lf

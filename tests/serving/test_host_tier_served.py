@@ -1,4 +1,4 @@
-"""Issue 24.2 served, at the cache level: SGLang's real HiCache classes (host pools, cache
+"""The host tier served, at the cache level: SGLang's real HiCache classes (host pools, cache
 controller, transfer engine; `hicache_cpu.py`) under the `marconi` backend's cache, on CPU.
 
 Why not live: SGLang's CPU engine would need, besides the two transfer ops stood in here, the
@@ -29,7 +29,7 @@ from sglang_cpu import FULL, MAMBA, _extend, build_cache, build_marconi_serving,
 from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
 
 from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
-from sglang_marconi.serving.host_tier import attach_host_tier  # noqa: E402
+from sglang_marconi.serving.host_tier import KV_POOL, STATE_POOL, attach_host_tier  # noqa: E402
 from sglang_marconi.serving.metrics import GAUGES  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def test_hicache_stand_ins_match_their_references(page_size):
 
 
 # -- driving the cache as the scheduler does, with load backs --------------------------------------
-def serve(cc, tokens, n_out: int = 2, chunk_end=None):
+def serve(cc, tokens, n_out: int = 2, chunk_end=None, check_device_index=True):
     """One request: match; a host hit is loaded back (`init_load_back`, the H2D transfer, the ack)
     and matched again on the device; prefill; decode; release. Returns (req, host tokens loaded)."""
     cache, pool = cc.cache, cc.req_to_token_pool
@@ -103,7 +103,7 @@ def serve(cc, tokens, n_out: int = 2, chunk_end=None):
     release_kv_cache(req, cache, checkpoint=True)
     cache.check_hicache_events()
     index = getattr(getattr(cache, "marconi", None), "index", None)
-    if index is not None and index.bound:
+    if check_device_index and index is not None and index.bound:
         index.check()  # the eviction index agrees with the tree after every HiCache transition
     return req, host
 
@@ -208,8 +208,8 @@ def test_under_host_pressure_marconi_drops_the_cheapest_to_recompute_per_byte_an
     prefixes = [long_seq, *shorts]
     before = _host_only_prefixes(cc, prefixes)
     assert long_seq in before and len(before) >= 4
-    index, facts, kv_tokens, _ = tier.host_candidates()
-    value = {_first(f.node, cc): index.efficiency[slot] for slot, (f, _) in enumerate(facts) if kv_tokens[slot]}
+    arena = cc.tree_core._node_arena
+    value = {_first(arena[i], cc): e for i, (_, e, _, _) in tier.brute_force_entries()[KV_POOL].items()}
     assert value[long_seq[0]] > max(value[s[0]] for s in shorts if s[0] in value)
     freed = cc.cache.evict_host(24, FULL)
     assert freed >= 24 and cc.settings.counters.host_evictions >= 1
@@ -329,3 +329,269 @@ def test_a_branch_state_on_a_backed_up_path_is_demoted_not_lost(backend):
         assert cc.settings.counters.states_dropped == 0
     else:
         assert state.host_value is None and req.cached_tokens == 0
+
+
+# -- the host candidates, kept incrementally -------------------------------------------------------
+def _brute_room_below(tier, alpha, last_access, value, protect):
+    """`HostCandidates.room_below` from scratch: fresh indexes over the whole tree, `protect` left out."""
+    from sglang_marconi.policy.host_candidates import HostCandidateIndex, ranked_below_across
+
+    arena, indexes = cc_arena(tier), []
+    for rows in tier.brute_force_entries():
+        index = HostCandidateIndex(tie_key=lambda node: node.id)
+        for node_id, row in sorted(rows.items()):
+            if node_id != protect.id:
+                index.add(arena[node_id], *row)
+        indexes.append(index)
+    masks = ranked_below_across(indexes, alpha, last_access, value)
+    return tuple(index.units_where(mask) for index, mask in zip(indexes, masks))
+
+
+def cc_arena(tier):
+    return tier.cache.tree_core._node_arena
+
+
+class _Audit:
+    """Checks every decision of the incremental host candidates against a from-scratch
+    recomputation on the same tree, and every entry after each operation (`check`)."""
+
+    def __init__(self, tier):
+        self.tier, self.victims, self.admissions = tier, [], 0
+        candidates = tier.candidates
+        lowest, room_below = candidates.lowest, candidates.room_below
+
+        def checked_lowest(pool, alpha):
+            candidates.flush()
+            expected = tier.brute_force_lowest(pool, alpha)
+            got = lowest(pool, alpha)
+            assert got is expected, f"host victim {getattr(got, 'id', None)} != brute force {getattr(expected, 'id', None)}"
+            if got is not None:
+                self.victims.append((pool, _path_of(got)))
+            return got
+
+        def checked_room_below(alpha, last_access, value, protect):
+            candidates.flush()
+            expected = _brute_room_below(tier, alpha, last_access, value, protect)
+            got = room_below(alpha, last_access, value, protect)
+            assert got == expected, f"room below {got} != brute force {expected}"
+            self.admissions += 1
+            return got
+
+        candidates.lowest, candidates.room_below = checked_lowest, checked_room_below
+
+
+def _path_of(node):
+    tokens = []
+    while node.parent is not None:
+        tokens[:0] = _key(node)
+        node = node.parent
+    return tuple(tokens)
+
+
+def _workload(cc, rng, steps, after_each=lambda: None):
+    """Random traffic on shared documents (branches, repeats, one-token tails), plus explicit host
+    evictions of either pool and device evictions under either pressure."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    docs = [[int(t) for t in rng.integers(1, 5000, size=int(rng.integers(24, 64)))] for _ in range(6)]
+    for _ in range(steps):
+        op = rng.random()
+        if op < 0.75:
+            doc = docs[int(rng.integers(len(docs)))]
+            cut = int(rng.integers(8, len(doc) + 1))
+            tail = [int(t) for t in rng.integers(5000, 6000, size=int(rng.integers(0, 12)))]
+            # the device index's own check is left out here: it misses a host-only child coming back
+            # to the device through an insert (its parent stays listed as a device leaf)
+            serve(cc, doc[:cut] + tail, n_out=int(rng.integers(1, 3)), chunk_end=chunk_end_for_branch,
+                  check_device_index=False)
+        elif op < 0.85:
+            cc.cache.evict_host(int(rng.integers(4, 40)), FULL)
+        elif op < 0.92:
+            cc.cache.evict_host(int(rng.integers(1, 4)), MAMBA)
+        else:
+            cc.cache.evict(EvictParams(num_tokens=int(rng.integers(0, 40)), mamba_num=int(rng.integers(0, 2))))
+        after_each()
+
+
+def _tree_signature(cc):
+    """Every node by its token path, with its tiers (comparable across two caches)."""
+    out, stack = [], [cc.tree_core.root_node]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node.parent is None:
+            continue
+        kv, st = node.component_data[FULL], node.component_data[MAMBA]
+        out.append((_path_of(node), kv.value is not None, kv.host_value is not None, st.value is not None,
+                    st.host_value is not None))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_incremental_host_candidates_equal_a_recomputation_after_every_operation(seed):
+    """After every operation of a random workload the incremental candidates (both pools) equal a
+    from-scratch recomputation over the tree, entry by entry (recency, value, bytes, units), every
+    host victim is the from-scratch minimum and every ranked admission counts the same room."""
+    import numpy as np
+
+    cc, _, tier = marconi_hicache(kv_size=200, mamba_size=10, ratio=1.0)
+    tier.candidates.flush()  # bound from the start: every hook counts
+    audit = _Audit(tier)
+    _workload(cc, np.random.default_rng(seed), 160, tier.candidates.check)
+    counters = cc.settings.counters
+    assert len(audit.victims) >= 10 and audit.admissions >= 10, (len(audit.victims), audit.admissions)
+    assert {pool for pool, _ in audit.victims} == {KV_POOL, STATE_POOL}
+    assert counters.states_demoted and counters.host_evictions and counters.states_loaded_back
+    assert tier.candidates.rebuilds == 1  # never rebuilt: kept by the hooks alone
+    assert cc.cache.marconi.faults.recovered_count == 0
+
+
+@pytest.mark.parametrize("mutant", ["node hooks record nothing", "a moved anchor goes unnoticed"])
+def test_the_check_catches_a_hook_that_forgets(mutant, monkeypatch):
+    """Mutants of the upkeep: the node-level hooks (tiers, children, locks, recency of one node)
+    record nothing (the path hooks of matches and locks still do); or a node that became or
+    stopped being an anchor does not re-evaluate the nodes below it. The entry-by-entry check
+    fails within the workload."""
+    import numpy as np
+
+    from sglang_marconi.serving import host_tier
+
+    if mutant == "node hooks record nothing":
+        monkeypatch.setattr(host_tier.HostCandidates, "changed", lambda self, node: None)
+    cc, _, tier = marconi_hicache(kv_size=200, mamba_size=10, ratio=1.0)
+    if mutant == "a moved anchor goes unnoticed":
+        monkeypatch.setattr(tier, "anchors_below", lambda node: False)
+    tier.candidates.flush()
+    with pytest.raises(AssertionError, match="host .* candidates out of date"):
+        _workload(cc, np.random.default_rng(0), 160, tier.candidates.check)
+
+
+# -- faults on the host path -----------------------------------------------------------------------
+def _traced(seed=3, steps=120, group_size=1, inject=None):
+    """Run the workload on a fresh Marconi HiCache cache; `inject(cc, tier, progress)` installs a
+    fault first. Returns (cc, tier, host victims in order, fired flags)."""
+    import numpy as np
+
+    cc, _, tier = marconi_hicache(kv_size=200, mamba_size=10, ratio=1.0)
+    cc.cache.marconi.faults.group_size = group_size
+    victims, progress = [], {"victims": 0}
+    evict_host, evict_victim = tier.evict_host, tier._evict_host_victim
+
+    def traced_evict_host(num_tokens, component_type):
+        progress["victims"] = 0  # victims evicted so far in this call
+        return evict_host(num_tokens, component_type)
+
+    def traced_victim(victim, component_type):
+        victims.append(_path_of(victim))
+        got = evict_victim(victim, component_type)
+        progress["victims"] += 1
+        return got
+
+    tier.evict_host, tier._evict_host_victim = traced_evict_host, traced_victim
+    fired = inject(cc, tier, progress) if inject is not None else {}
+    _workload(cc, np.random.default_rng(seed), steps)
+    return cc, tier, victims, fired
+
+
+def _fault_once(owner, name, when, after_change=False):
+    """`owner.name` raises once, at the first call where `when()` holds; `after_change`: after
+    the original ran (the tree changed, what it returned is lost)."""
+    original, fired = getattr(owner, name), {"fired": False}
+
+    def faulty(*args, **kwargs):
+        if not fired["fired"] and when():
+            fired["fired"] = True
+            if after_change:
+                original(*args, **kwargs)
+            raise RuntimeError(f"injected fault in {name}")
+        return original(*args, **kwargs)
+
+    setattr(owner, name, faulty)
+    return fired
+
+
+def _counters(cc):
+    c = cc.settings.counters
+    return {k: v for k, v in vars(c).items() if isinstance(v, (int, float))}
+
+
+RECOVERABLE = {
+    # the victim choice of a multi-victim host eviction, after its first victim left
+    "host victim choice, mid-way": lambda cc, tier, p: _fault_once(
+        tier.candidates, "lowest", lambda: p["victims"] >= 1),
+    # a ranked admission's count of the room below an incoming node
+    "ranked admission": lambda cc, tier, p: _fault_once(
+        tier.candidates, "room_below", lambda: cc.settings.counters.host_evictions >= 3),
+    # the upkeep, inside SGLang's own mutation (a hook's record)
+    "upkeep hook": lambda cc, tier, p: _fault_once(
+        tier.candidates, "path_changed", lambda: cc.settings.counters.host_evictions >= 3),
+}
+
+
+@pytest.mark.parametrize("where", sorted(RECOVERABLE))
+def test_a_recoverable_fault_on_the_host_path_decides_as_an_unfaulted_twin(where):
+    """A fault in the host candidates (derived state) on one rank of a group, at the worst offset:
+    recovered by a rebuild from the tree, and every later decision is the unfaulted twin's (same
+    host victims in the same order, same tree, same counters). The group does not stop."""
+    twin, _, twin_victims, _ = _traced()
+    cc, tier, victims, fired = _traced(group_size=2, inject=RECOVERABLE[where])
+    assert fired["fired"]
+    faults = cc.cache.marconi.faults
+    assert faults.recovered_count == 1 and faults.fallen_back is None
+    assert tier.candidates.rebuilds == 2  # the first bind, and the rebuild after the fault
+    assert len(twin_victims) >= 10 and victims == twin_victims
+    assert _tree_signature(cc) == _tree_signature(twin)
+    assert _counters(cc) == _counters(twin)
+    tier.candidates.check()
+
+
+UNRECOVERABLE = {
+    # the tree changed (a host leaf evicted), its frees lost: mid-way through a multi-victim eviction
+    "host eviction, mid-way": lambda cc, tier, p: _fault_once(
+        cc.tree_core, "_evict_host_leaf", lambda: p["victims"] >= 1, after_change=True),
+    # a device leaf dropped on both tiers, the rest of the drop lost
+    "device leaf drop": lambda cc, tier, p: _fault_once(
+        cc.cache, "_drop_subtree_no_host", lambda: cc.settings.counters.host_evictions >= 1, after_change=True),
+    # a decision that fails again after the rebuild
+    "host victim choice, twice": lambda cc, tier, p: _fail_every_choice(tier, p),
+}
+
+
+def _fail_every_choice(tier, progress):
+    lowest, fired = tier.candidates.lowest, {"fired": False}
+
+    def failing(pool, alpha):
+        if progress["victims"] >= 1:
+            fired["fired"] = True
+            raise RuntimeError("injected fault in lowest (every time)")
+        return lowest(pool, alpha)
+
+    tier.candidates.lowest = failing
+    return fired
+
+
+@pytest.mark.parametrize("where", sorted(UNRECOVERABLE))
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_an_unrecoverable_fault_on_the_host_path(where, group_size):
+    """A fault while Marconi's code changes the tree, or a decision failing again after the
+    rebuild. A rank of a group raises `MarconiGroupFault` (its tree could part from its peers');
+    a rank alone falls back to SGLang's own write_back and serves on: the rest of the workload
+    runs, upstream's host eviction does what Marconi's would have."""
+    import numpy as np
+
+    from sglang_marconi.serving.faults import MarconiGroupFault
+    from sglang_marconi.serving.host_tier import served_tiers
+
+    if group_size > 1:
+        with pytest.raises(MarconiGroupFault, match=r"rank 0 of a 2-rank .*host tier"):
+            _traced(group_size=2, inject=UNRECOVERABLE[where])
+        return
+    cc, tier, victims, fired = _traced(inject=UNRECOVERABLE[where])
+    assert fired["fired"]
+    faults = cc.cache.marconi.faults
+    assert faults.fallen_back is not None and "host tier" in faults.fallen_back
+    assert not served_tiers(cc.cache)
+    marconi_victims = len(victims)
+    _workload(cc, np.random.default_rng(11), 60)  # serves on, upstream's rules
+    assert len(victims) == marconi_victims  # no host victim of Marconi's after the fallback
+    assert serve(cc, A + [5, 6], check_device_index=False)[0].finished()

@@ -32,7 +32,9 @@ pytest.importorskip("sglang")
 
 from http_api import (  # noqa: E402
     flush_cache, generate, internal_state, labelled_gauge, marconi_figures, marconi_gauges,
+    reads_decode_written_kv, same_up_to_numeric_ties,
 )
+from numeric_gap import DECODE_KV_GAP  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -74,7 +76,7 @@ def server(request, tiny_model, launch):
         extra += ["--radix-cache-backend", "marconi"]
     with strategy_flags(strategy):
         srv = launch(tiny_model(kind), launcher=launcher, extra_args=extra)
-    srv.strategy = strategy.partition("-")[0]
+    srv.kind, srv.strategy = kind, strategy.partition("-")[0]
     srv.page_size = 16 if strategy.endswith("-page16") else 1
     yield srv
     srv.stop()
@@ -180,14 +182,17 @@ def test_warm_responses_equal_cold_ones(server):
         warm.append(generate(server.url, prompt, max_new_tokens=12))
         prompt = prompt + warm[-1].output_ids + tokens(300 + turn, 20)
     warm += [generate(server.url, system + tokens(400 + i, 30), max_new_tokens=12) for i in range(3)]
-    hits = [g for g in warm if g.cached_tokens > 0]
+    hits = [(i, g) for i, g in enumerate(warm) if g.cached_tokens > 0]
     assert len(hits) >= 3, [g.cached_tokens for g in warm]
-    for g in hits:
+    for i, g in hits:
         flush_cache(server.url)
         cold = generate(server.url, g.input_ids, max_new_tokens=12)
         assert cold.cached_tokens == 0
-        assert cold.output_ids == g.output_ids
-        assert cold.logprobs == g.logprobs
+        # Identical where the hit read prefill-written KV and states only; up to the measured
+        # numeric gap (a near tie may flip) where it read a previous turn's decode-written ones.
+        gap = DECODE_KV_GAP[server.kind] if reads_decode_written_kv(g, warm[:i]) else 0.0
+        result = same_up_to_numeric_ties(g, cold, gap)
+        assert result, f"hit of {g.cached_tokens} tokens: {result.detail}"
     # The check can fail: different prompts give different greedy outputs.
     assert len({tuple(g.output_ids) for g in warm}) == len(warm)
 

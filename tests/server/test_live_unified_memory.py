@@ -39,7 +39,7 @@ UNIFIED = ("--enable-unified-memory", "--chunked-prefill-size", str(CHUNK))
 @pytest.fixture(scope="module", params=KINDS)
 def server(request, tiny_model, launch):
     srv = launch(tiny_model(request.param), extra_args=UNIFIED)
-    srv.strategy = "no_buffer"
+    srv.kind, srv.strategy = request.param, "no_buffer"
     srv.page_size = 1
     yield srv
     srv.stop()

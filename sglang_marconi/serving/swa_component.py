@@ -474,6 +474,9 @@ def marconi_swa_cache_class():
                 return floor if base is None else min(base, floor)
             except Exception as exc:
                 state.faults.unrecoverable("MarconiSWARadixCache.swa_retain_floor", exc)
+                component = self._marconi_swa_component()
+                if component is not None and component.marconi_plan is not None:
+                    component.marconi_plan.detach()  # upstream's eviction from here on: stop keeping it
                 return base
 
         def on_release(self, req, *, checkpointed):

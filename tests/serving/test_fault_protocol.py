@@ -5,9 +5,10 @@ SGLang's real cache classes on CPU, one fault per class, on one rank, at the wor
   (after the first node's stamp, before the others'): the window times, the trees and the
   victims equal an unfaulted twin's after every request (the stamps are primary data, written
   whole before the plan hears of them);
-- unrecoverable primary data: a fault while writing window times (SWA), a state's use time or
-  the probation registry (SSM): a rank alone falls back to upstream's rules and keeps serving, a
-  rank of a group raises `MarconiGroupFault` (one line), never an arbitrary exception;
+- unrecoverable: a fault while writing primary data (window times, SWA; a state's use time or
+  the probation registry, SSM) or in the SWA retain floor (admission): a rank alone falls back to
+  upstream's rules and keeps serving, a rank of a group raises `MarconiGroupFault` (one line),
+  never an arbitrary exception;
 - repeated recoveries escalate: a hook that fails every time is recovered `RECOVERY_LIMIT` times,
   then treated as unrecoverable (alone: fallback; group: `MarconiGroupFault`), SSM and SWA; the
   bound counts in releases, the runtime's stream position;
@@ -442,3 +443,4 @@ def test_a_fault_in_the_swa_retain_floor_is_unrecoverable(group):
         run_swa_request(cc, prompt + [500 + i], range(10_000 * (i + 2), 10_000 * (i + 2) + 200))
         cc.check_no_leak()
     assert cc.settings.faulted is not None and "swa_retain_floor" in cc.settings.faulted
+    assert cc.plan.root is None  # no more upkeep: upstream's eviction

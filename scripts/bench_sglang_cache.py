@@ -44,6 +44,11 @@ subtracted from every operation and summed in "pool ops s": they are device work
 here they would swamp the tree's cost. torch runs with 1 intra-op thread (2 threads on this
 2-core VM stall tiny tensor ops for milliseconds) and glibc keeps freed memory (`keep_malloc_arenas`).
 
+`--tree-nodes 1500,6000,24000,96000` times single eviction steps on trees of those sizes instead:
+one SWA eviction step (`--tree-kinds swa`) and, under HiCache write_back, one device eviction with
+the host full and one host eviction (`--tree-kinds host`, `host_step_cell`), upstream's against
+Marconi's on the same request stream.
+
 Per cell: token hit rate, prefill FLOPs saved (nemotron-h-8b profile, sum of prefill_flops(0, hit)
 over requests), SSM states in the tree at the end per request served, median (p99) microseconds
 per operation, tree microseconds per request (all four summed), and ratios vs upstream LRU on the
@@ -783,6 +788,144 @@ def swa_step_bench(trees, sizes, steps: int, window: int, seed: int, bar=None) -
     return swa_step_table(cells, window, steps)
 
 
+# -- one host-tier step (HiCache write_back) against the tree's size --------------------------------
+
+HOST_CONFIGS = ("upstream", "marconi")
+HOST_TOKENS_PER_REQUEST = 6  # the fresh tail of each request: ~2 nodes per request (a split, a leaf)
+
+
+@dataclass
+class HostStepCell:
+    config: str
+    nodes: int
+    requests: int = 0
+    host_only: int = 0  # nodes whose KV is on the host only
+    grow_s: float = 0.0
+    device_ns: list = field(default_factory=list)
+    host_ns: list = field(default_factory=list)
+    whole_tree_ms: float = math.nan  # Marconi: the host candidates from scratch (what each step walked before)
+
+    def stat(self, which):
+        x = np.asarray(self.device_ns if which == "device" else self.host_ns, dtype=float) / 1e3
+        return (float(np.median(x)), float(np.percentile(x, 99)), len(x)) if len(x) else (math.nan, math.nan, 0)
+
+
+def host_requests(seed: int):
+    """Branching traffic without end: each request repeats a random earlier request up to a random
+    cut and appends fresh tokens (a split and a leaf), so the tree grows by ~2 nodes per request."""
+    import random
+
+    rng, counter, seen = random.Random(seed), iter(range(1, 1 << 40)), []
+    while True:
+        base = rng.choice(seen) if seen else []
+        tokens = base[:rng.randint(0, len(base))] + [next(counter) for _ in range(HOST_TOKENS_PER_REQUEST)]
+        seen.append(tokens)
+        if len(seen) > 4096:
+            seen.pop(rng.randrange(len(seen)))
+        yield tokens
+
+
+def host_step_cell(config: str, nodes: int, steps: int, seed: int) -> HostStepCell:
+    """Grow SGLang's real HiCache write_back cache (upstream's or Marconi's host tier) to `nodes`
+    nodes with `host_requests` (the same tree for both), the host pools sized to fill on the way,
+    then time `steps` calls of each: `cache.evict(num_tokens=1)` (one device eviction with the host
+    full: a demotion whose host copy needs room; Marconi's ranked admission) and
+    `cache.evict_host(1, FULL)` (one host eviction: upstream's LRU host leaf, Marconi's ranked
+    victim). Thread CPU µs, pool frees (`_apply_eviction_result`) excluded: the same tensor work in
+    both and device work on a GPU."""
+    from hicache_cpu import attach_hicache
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang_cpu import FULL, build_cache, build_marconi_serving
+    from test_host_tier_served import serve as serve_request
+
+    from sglang_marconi.serving.config import MarconiServingConfig
+    from sglang_marconi.serving.host_tier import attach_host_tier
+
+    # host pools (HiCache's ratio of the device's) holding ~4 KV tokens and ~1/2 SSM state per node
+    kv_size, mamba_size = 4096, 512
+    ratio = max(2.0, 4 * nodes / kv_size)
+    cell = HostStepCell(config, nodes)
+    if config == "marconi":
+        cc, _ = build_marconi_serving(MarconiServingConfig(alpha=1.0, tune_workers=0), kv_size=kv_size,
+                                      mamba_size=mamba_size)
+        attach_hicache(cc, ratio=ratio)
+        tier = attach_host_tier(cc.cache, cc.settings.profile)
+    else:
+        cc, tier = attach_hicache(build_cache(kv_size=kv_size, mamba_size=mamba_size), ratio=ratio), None
+    arena = cc.tree_core._node_arena
+    t0 = time.perf_counter()
+    for tokens in host_requests(seed):
+        serve_request(cc, tokens, n_out=1, check_device_index=False)
+        cell.requests += 1
+        if len(arena) - 1 >= nodes:
+            break
+    cell.grow_s = time.perf_counter() - t0
+    cell.nodes = len(arena) - 1
+    cell.host_only = sum(1 for n in arena.values() if n.parent is not None
+                         and n.component_data[FULL].value is None and n.component_data[FULL].host_value is not None)
+    applied = [0]
+    apply = cc.cache._apply_eviction_result
+
+    def timed_apply(result):
+        t = time.thread_time_ns()
+        try:
+            return apply(result)
+        finally:
+            applied[0] += time.thread_time_ns() - t
+
+    cc.cache._apply_eviction_result = timed_apply
+    gc.collect()
+    for record, step in ((cell.device_ns, lambda: cc.cache.evict(EvictParams(num_tokens=1))),
+                         (cell.host_ns, lambda: cc.cache.evict_host(1, FULL))):
+        for _ in range(steps):
+            applied[0] = 0
+            t = time.thread_time_ns()
+            step()
+            cc.cache.check_hicache_events()
+            record.append(time.thread_time_ns() - t - applied[0])
+    if tier is not None:
+        assert cc.cache.marconi.faults.fallen_back is None, cc.cache.marconi.faults.fallen_back
+        t0 = time.thread_time_ns()
+        tier.brute_force_entries()
+        cell.whole_tree_ms = (time.thread_time_ns() - t0) / 1e6
+    return cell
+
+
+def host_step_table(cells: list, steps: int) -> str:
+    lines = [
+        f"### One host-tier step against the tree's size (HiCache write_back, {steps} steps each; thread CPU µs, "
+        "pool frees excluded)",
+        "",
+        "| nodes | host-only nodes | requests | device eviction, host full: upstream µs (p99) | marconi µs (p99) "
+        "| marconi vs upstream | host eviction: upstream µs (p99) | marconi µs (p99) | marconi vs upstream "
+        "| whole-tree host candidates ms (each step, before) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by = {}
+    for c in cells:
+        by.setdefault(c.nodes, {})[c.config] = c
+    for nodes, row in by.items():
+        up, ours = row["upstream"], row["marconi"]
+        lines.append(f"| {nodes:,} | {ours.host_only:,} | {ours.requests:,} | {us(up.stat('device'))} "
+                     f"| {us(ours.stat('device'))} | {ratio(ours.stat('device')[0], up.stat('device')[0])} "
+                     f"| {us(up.stat('host'))} | {us(ours.stat('host'))} "
+                     f"| {ratio(ours.stat('host')[0], up.stat('host')[0])} | {ours.whole_tree_ms:.0f} |")
+    return "\n".join(lines)
+
+
+def host_step_bench(sizes, steps: int, seed: int, bar=None) -> str:
+    for config in HOST_CONFIGS:  # first calls pay one-off costs (imports, torch kernels): outside the table
+        host_step_cell(config, 200, 10, seed)
+    cells = []
+    for nodes in sizes:
+        row = [host_step_cell(config, nodes, steps, seed) for config in HOST_CONFIGS]
+        assert len({c.requests for c in row}) == 1, "the two caches served different request counts"
+        cells += row
+        if bar is not None:
+            bar.update(1)
+    return host_step_table(cells, steps)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small traces, two pool sizes (~25 s)")
@@ -793,13 +936,17 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads (2 on this 2-core VM adds ms-scale stalls to tiny CPU tensor ops)")
     ap.add_argument("--json", type=Path, help="write every cell's numbers here")
-    ap.add_argument("--tree-nodes", help="instead of the traces: one SWA eviction step's cost on trees of these "
-                                         "sizes (comma-separated node counts, e.g. 1500,6000,24000,96000), "
-                                         "upstream's and Marconi's SWA component on the same trees")
+    ap.add_argument("--tree-nodes", help="instead of the traces: one SWA eviction step's and one host-tier step's "
+                                         "cost on trees of these sizes (comma-separated node counts, e.g. "
+                                         "1500,6000,24000,96000), upstream's and Marconi's on the same trees")
     ap.add_argument("--swa-steps", type=int, default=200, help="eviction steps timed per tree (--tree-nodes)")
     ap.add_argument("--swa-window", type=int, default=32, help="sliding window in tokens (--tree-nodes)")
     ap.add_argument("--swa-trees", default=",".join(SWA_TREES), help="tree families (--tree-nodes): "
                     + "; ".join(f"{k}: sglang_swa_cpu.{v}" for k, v in SWA_TREES.items()))
+    ap.add_argument("--host-steps", type=int, default=100,
+                    help="host-tier steps timed per tree and kind (--tree-nodes; 0: no host-tier rows)")
+    ap.add_argument("--tree-kinds", default="swa,host",
+                    help="which steps --tree-nodes times: swa (SWA eviction), host (HiCache write_back host tier)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TQDM_MININTERVAL", "1")
@@ -822,8 +969,16 @@ def main(argv=None) -> int:
         unknown = set(trees) - set(SWA_TREES)
         if unknown:
             ap.error(f"unknown trees {sorted(unknown)}; known: {list(SWA_TREES)}")
-        bar = tqdm(total=len(sizes) * len(trees), desc="trees", unit="tree", file=sys.stderr) if tqdm else None
-        step_table = swa_step_bench(trees, sizes, args.swa_steps, args.swa_window, seed=0, bar=bar)
+        kinds = {k for k in args.tree_kinds.split(",") if k}
+        if kinds - {"swa", "host"}:
+            ap.error(f"--tree-kinds {args.tree_kinds!r}: expected swa, host or both")
+        bar = tqdm(total=len(sizes) * (len(trees) * ("swa" in kinds) + ("host" in kinds)), desc="trees", unit="tree", file=sys.stderr) if tqdm else None
+        tables = []
+        if "swa" in kinds:
+            tables.append(swa_step_bench(trees, sizes, args.swa_steps, args.swa_window, seed=0, bar=bar))
+        if "host" in kinds and args.host_steps:
+            tables.append(host_step_bench(sizes, args.host_steps, seed=0, bar=bar))
+        step_table = "\n\n".join(tables)
         if bar is not None:
             bar.close()
         print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

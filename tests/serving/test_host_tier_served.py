@@ -364,7 +364,8 @@ class _Audit:
             candidates.flush()
             expected = tier.brute_force_lowest(pool, alpha)
             got = lowest(pool, alpha)
-            assert got is expected, f"host victim {getattr(got, 'id', None)} != brute force {getattr(expected, 'id', None)}"
+            assert got is expected, (
+                f"host victim {getattr(got, 'id', None)} != brute force {getattr(expected, 'id', None)}")
             if got is not None:
                 self.victims.append((pool, _path_of(got)))
             return got

@@ -200,7 +200,7 @@ class TestTensorParallel:
 SKIP_ARGS = (*TP_ARGS[:TP_ARGS.index("--marconi-tune-epoch")], "--marconi-tune-epoch", "1",
              "--marconi-tune-sync-every", "2", "--scheduler-recv-interval", "4",
              "--log-level", "info")  # each rank logs each directive it applies
-SKIP_MIN_WAVES, SKIP_MAX_WAVES, SKIP_DIRECTIVES = 2, 6, 3
+SKIP_MAX_WAVES = 8  # the directive came at about 60 releases in the runs so far
 APPLIED = re.compile(r"^\[[^\]]* TP(\d)\] Marconi directive (\d+) applied at iteration (\d+) after (\d+) releases")
 
 
@@ -230,18 +230,19 @@ class TestSkippedReceives:
     def test_every_rank_applies_every_directive_at_the_same_iteration(self, skip_server):
         url = skip_server.url
         before = server_info(url)["internal_states"][0]["marconi"]
-        responses, figures = [], before
-        while len(responses) < SKIP_MAX_WAVES * WAVE and (
-                len(responses) < SKIP_MIN_WAVES * WAVE or figures["marconi_directives_applied"] < SKIP_DIRECTIVES):
+        # Waves until a whole wave has run after the first directive, or SKIP_MAX_WAVES.
+        responses, figures, waves_with_directive = [], before, 0
+        while len(responses) < SKIP_MAX_WAVES * WAVE and waves_with_directive < 2:
             first = len(responses)
             responses += run_concurrently(url, [prompt(i) for i in range(first, first + WAVE)])
             figures = server_info(url)["internal_states"][0]["marconi"]
+            waves_with_directive += figures["marconi_directives_sent"] > 0
         # Every request completed, in full.
         assert [r.input_ids for r in responses] == [prompt(i) for i in range(len(responses))]
         assert all(len(r.output_ids) == MAX_NEW for r in responses)
         assert figures["marconi_requests"] - before["marconi_requests"] == len(responses)
-        # A directive still out when the load stops comes back at a later receive (a request
-        # makes sure there is one).
+        # A directive still out when the load stops comes back at a later receive (an idle
+        # scheduler keeps polling; a request makes sure).
         deadline = time.monotonic() + 30
         while True:
             applied = applied_by_rank(skip_server.log_path)

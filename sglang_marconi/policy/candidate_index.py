@@ -87,6 +87,7 @@ class CandidateIndex:
             raise TypeError(f"tie_key {tie_key!r}: expected a callable item -> int or tuple of ints")
         self._columns = np.zeros((2, initial_capacity))  # row 0: recency, row 1: efficiency
         self._keys = np.zeros((1, initial_capacity), dtype=np.int64)  # rows: the key's elements
+        self._key0 = self._keys[0]  # its first row (a 1-D store is the cheaper one)
         self._key_width: Optional[int] = None  # fixed by the first key: 1 for an int, else tuple length
         self._tie_key = tie_key
         self._adds = 0  # the fallback key of an item without an `id`
@@ -106,12 +107,11 @@ class CandidateIndex:
     def key_of(self, item: Any) -> TieKey:
         """`item`'s tie key: `tie_key(item)`, else its `id`, else the order of its add."""
         if self._tie_key is not None:
-            key = self._tie_key(item)
-        else:
-            key = getattr(item, "id", None)
-            if key is None:
-                key = self._adds
-        self._adds += 1
+            return self._tie_key(item)
+        key = getattr(item, "id", None)
+        if key is None:
+            key = self._adds
+            self._adds += 1
         return key
 
     def _key_row(self, item: Any, key: TieKey) -> tuple:
@@ -123,6 +123,7 @@ class CandidateIndex:
             self._key_width = len(row)
             if len(row) != 1:
                 self._keys = np.zeros((len(row), self._columns.shape[1]), dtype=np.int64)
+                self._key0 = self._keys[0]
         elif len(row) != self._key_width:
             raise ValueError(f"tie key {key!r} of {item!r}: expected {self._key_width} element(s), as the first key")
         return row
@@ -136,7 +137,7 @@ class CandidateIndex:
             self._grow(2 * slot)
         try:  # the key first: a bad one leaves the index as it was
             if type(key) is int:
-                self._keys[0, slot] = key
+                self._key0[slot] = key
             else:
                 self._keys[:, slot] = key
         except OverflowError:
@@ -153,7 +154,7 @@ class CandidateIndex:
         self._columns = grown
         keys = np.zeros((self._keys.shape[0], capacity), dtype=np.int64)
         keys[:, :n] = self._keys[:, :n]
-        self._keys = keys
+        self._keys, self._key0 = keys, keys[0]
 
     def update(self, slot: int, last_access: float, efficiency: float) -> None:
         self._columns[0, slot] = last_access
@@ -167,7 +168,11 @@ class CandidateIndex:
             moved = self.items[last]
             self.items[slot] = moved
             self._columns[:, slot] = self._columns[:, last]
-            self._keys[:, slot] = self._keys[:, last]
+            if self._key_width == 1:
+                keys = self._key0
+                keys[slot] = keys[last]
+            else:
+                self._keys[:, slot] = self._keys[:, last]
         self.items.pop()
         return moved
 

@@ -47,6 +47,7 @@ class SmallCandidateIndex(CandidateIndex):
         self._keys = np.zeros((self._key_width or 1, capacity), dtype=np.int64)
         if n:
             self._keys[:, :n] = np.array(self.keys, dtype=np.int64).reshape(n, -1).T
+        self._key0 = self._keys[0]
         self._t, self._e = self._columns[0], self._columns[1]
         self._mirrored = True
 

@@ -132,6 +132,11 @@ class MarconiRuntime:
         self.directives_applied = 0
         self._tuning = config.fixed_choice is None
         self._sent = 0  # directives sent (the leader)
+        # What the leader's sent directives will have made of the group once they arrive: a sync
+        # point compares the tuner's verdict with this, not with the choice in force, so a directive
+        # still on its way is not sent again.
+        self._sent_choice = None
+        self._stop_sent = False
         self.adoptions: list[tuple[int, Choice]] = []  # (releases seen, choice adopted then)
         self.ranks = _parallel_ranks()  # which scheduler this is, for /server_info
         self.speculative = speculative_settings()  # (algorithm, draft tokens) or None
@@ -271,11 +276,16 @@ class MarconiRuntime:
         if why is None and tuner.failed is not None:
             why = tuner.failed
         if why is not None:
-            return self._send(Directive(self._sent, stop_tuning=why))
+            if not self._stop_sent:
+                self._stop_sent = True
+                self._send(Directive(self._sent, stop_tuning=why))
+            return
         if decided is None:
             self.sync_waits_late += 1  # not ready in time: the choice in force stays for now
             return
-        if decided != self.choice:
+        if decided != (self.choice if self._sent_choice is None else self._sent_choice) and not self._stop_sent:
+            self._sent_choice = decided
+            self._stop_sent = not self.config.retune
             self._send(Directive(self._sent, choice=tuner.choices.index(decided),
                                  stop_tuning="" if not self.config.retune else None))
 

@@ -302,3 +302,60 @@ class ForgetfulChannel(GroupChannel):
 def test_the_skipped_receive_check_fails_with_a_drain_that_forgets(topology):
     with pytest.raises(MarconiError, match="arrived after"):
         run_group(topology, ForgetfulChannel)
+
+
+class _VerdictTuner:
+    """The leader's tuner at sync points: a fixed verdict per sync point."""
+
+    def __init__(self, choices, verdicts):
+        self.choices, self.verdicts, self.failed = choices, verdicts, None
+
+    def mark_sync(self):
+        pass
+
+    def choice_at(self, k, wait_s=None):
+        return self.verdicts.get(k)
+
+
+def _leader_runtime(verdicts, retune=True):
+    from sglang_marconi.serving.faults import MarconiFaults
+    from sglang_marconi.serving.runtime import MarconiRuntime
+
+    runtime = MarconiRuntime.__new__(MarconiRuntime)  # only the sync-point state, no cache
+    choices = ["lru", 0.0, 20.0]
+    runtime.__dict__.update(
+        settings=SimpleNamespace(choice="lru"), faults=MarconiFaults(2, 0), config=SimpleNamespace(retune=retune),
+        tuner=_VerdictTuner(choices, verdicts), choices=choices, _tuning=True, _sent=0, _sent_choice=None,
+        _stop_sent=False, sync_wait_s=0.0, sync_wait_s_total=0.0, sync_waits_late=0, directives_applied=0,
+        adoptions=[], released=0)
+    runtime.channel = GroupChannel(runtime.apply)
+    return runtime
+
+
+def test_a_directive_on_its_way_is_not_sent_again_at_later_sync_points():
+    # Sync points 1-3 pass before the broadcast hands the first directive back (skipped receives):
+    # the verdict "20" is sent once; a changed verdict is sent once more; the group ends on it.
+    runtime = _leader_runtime({0: 20.0, 1: 20.0, 2: 20.0, 3: 0.0, 4: 0.0})
+    for k in range(1, 6):
+        runtime._sync_point(k)
+    assert [d.choice for d in runtime.channel.outbox] == [2, 1]
+    for directive in runtime.channel.drain():
+        runtime.channel.receive(directive)
+    assert runtime.choice == 0.0 and runtime.channel.outbox == [] and runtime._sent == 2
+    runtime._sync_point(6)  # the verdict in force: nothing to send
+    assert runtime._sent == 2
+
+
+def test_a_stop_is_sent_once_while_it_is_on_its_way():
+    runtime = _leader_runtime({})
+    runtime.tuner.failed = "the shadows died"
+    for k in range(1, 4):
+        runtime._sync_point(k)
+    assert [d.stop_tuning for d in runtime.channel.outbox] == ["the shadows died"]
+
+
+def test_retune_off_sends_the_first_decision_only():
+    runtime = _leader_runtime({0: 20.0, 1: 0.0}, retune=False)
+    runtime._sync_point(1)
+    runtime._sync_point(2)
+    assert [(d.choice, d.stop_tuning) for d in runtime.channel.outbox] == [(2, "")]

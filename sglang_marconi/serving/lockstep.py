@@ -71,7 +71,8 @@ class RankGroup:
     def single(self) -> bool:
         return not self.groups
 
-    def agree_on_settings(self, digest: str, what: str = "Marconi settings") -> None:
+    def agree_on_settings(self, digest: str, what: str = "Marconi settings",
+                           remedy: str = "start every rank with the same SGLANG_MARCONI_CONFIG and flags") -> None:
         """Start-up collective: every rank of the group passes the digest of what it was given;
         every rank raises the same one-line error when they differ."""
         if not self.groups:
@@ -83,8 +84,7 @@ class RankGroup:
             dist.all_gather_object(seen, digest, group=group)
             if len(set(seen)) > 1:
                 ranks = ", ".join(f"rank {r}: {d}" for r, d in enumerate(seen))
-                raise MarconiError(f"the ranks of one TP/PP group were given different {what} ({ranks}); "
-                                   "start every rank with the same SGLANG_MARCONI_CONFIG and flags")
+                raise MarconiError(f"the ranks of one TP/PP group were given different {what} ({ranks}); {remedy}")
 
 
 def settings_digest(*parts) -> str:

@@ -153,8 +153,8 @@ def agree_on_settings(group, ctx) -> None:
     from sglang_marconi.serving.lockstep import settings_digest
     from sglang_marconi.serving.source_digest import package_source_digest
 
-    group.agree_on_settings(settings_digest(package_source_digest()),
-                            "sglang_marconi source (install the same sglang_marconi files on every rank)")
+    group.agree_on_settings(settings_digest(package_source_digest()), "sglang_marconi source",
+                            "install the same sglang_marconi files on every rank")
     group.agree_on_settings(settings_digest(os.environ.get(ENV_VAR, ""), getattr(ctx.params, "page_size", None)))
 
 

@@ -95,7 +95,7 @@ class RecordingGroup:
     def __init__(self):
         self.agreed = []
 
-    def agree_on_settings(self, digest, what="Marconi settings"):
+    def agree_on_settings(self, digest, what="Marconi settings", remedy=None):
         self.agreed.append((what, digest))
 
 
@@ -181,4 +181,5 @@ def test_two_ranks_with_different_source_refuse_to_start_naming_it(tmp_path):
         same, differ = outcomes[rank]
         assert same is None, outcomes
         assert differ.startswith("MarconiError: ") and "sglang_marconi source" in differ, outcomes
+        assert "install the same sglang_marconi files" in differ and "SGLANG_MARCONI_CONFIG" not in differ
         assert "\n" not in differ

@@ -75,6 +75,7 @@ Works on SGLang's tree objects by duck typing; the few SGLang names used are imp
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Optional
 
@@ -109,6 +110,7 @@ def attach_host_tier(cache, profile, rules: Optional[MarconiTiering] = None):
     return tier
 
 
+@functools.cache
 def _types():
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType, EvictLayer
 

@@ -100,11 +100,14 @@ def marconi_cache_class():
         def load_back(self, node_id, mem_quota=None, req=None):
             tier = self._marconi_host_tier()
             facts = tier.load_back_facts(node_id) if tier is not None else None
+            path = tier.load_back_path(node_id) if tier is not None else ()
             ok = super().load_back(node_id, mem_quota, req=req)
             if tier is not None:
                 if ok:
                     tier.loaded_back(*facts)
-                self.marconi.index.invalidate()  # nodes came back to the device: rebuilt at next use
+                index = self.marconi.index
+                for node in path:  # what came back to the device, and the device node above it
+                    index.changed(node)
             return ok
 
         def checkpoint(self, req, *args, **kwargs):

@@ -726,6 +726,18 @@ class ServedHostTier:
             node = node.parent
         return tokens, states
 
+    def load_back_path(self, node_id) -> list:
+        """The nodes a load back of `node_id` can change on the device: `node_id` (its state may come
+        back alone) and its ancestors up to and including the first one holding device KV (which
+        stops being a device leaf). O(path)."""
+        full, _, _ = _types()
+        node = self.cache.tree_core.node_by_id(node_id)
+        path = [node]
+        while node.parent is not None and node.component_data[full].value is None:
+            node = node.parent
+            path.append(node)
+        return path
+
     def loaded_back(self, tokens: int, states: int) -> None:
         self.counters.kv_tokens_loaded_back += tokens
         self.counters.states_loaded_back += states

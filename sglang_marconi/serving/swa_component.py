@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from sglang_marconi.policy.window_plan import LEAF, STALE, WindowPlan, reference_plan
 from sglang_marconi.serving.cache_state import MarconiCacheState
 from sglang_marconi.serving.faults import MarconiFaults
+from sglang_marconi.serving.leaf_watch import watch_leaves
 from sglang_marconi.serving.swa_runtime import SWAFigures, SWARuntime
 
 log = logging.getLogger("sglang_marconi")
@@ -143,27 +144,6 @@ class SGLangWindowView:
         return self._arena is None or self._arena.get(node.id) is node
 
 
-class LeafSetWatch(set):
-    """The tree core's evictable-leaf set, reporting each change of membership (`on_change(node)`):
-    a leaf's evictability also changes with FULL-only locks, which reach no SWA hook."""
-
-    __slots__ = ("on_change",)
-
-    def __init__(self, leaves, on_change):
-        super().__init__(leaves)
-        self.on_change = on_change
-
-    def add(self, node) -> None:
-        if node not in self:
-            set.add(self, node)
-            self.on_change(node)
-
-    def discard(self, node) -> None:
-        if node in self:
-            set.discard(self, node)
-            self.on_change(node)
-
-
 def plan_victims(tree_core, ct, full_ct, settings: SWASettings, evictable_leaves) -> list[tuple[str, list]]:
     """Victims in eviction order, from scratch (`window_plan.reference_plan`): ("stale" | "window",
     nodes to tombstone) or ("leaf", [leaf]). The reference the incremental plan is checked against."""
@@ -251,10 +231,9 @@ def marconi_swa_component_class():
             plan = self.marconi_plan
             if plan is None:
                 plan = WindowPlan(self.marconi_swa_settings.window, None, self.marconi_swa_settings.profile)
-            if not isinstance(tree_core.evictable_device_leaves, LeafSetWatch):
-                tree_core.evictable_device_leaves = LeafSetWatch(tree_core.evictable_device_leaves,
-                                                                 self._marconi_leaf)
-            plan.view = SGLangWindowView(self.component_type, tree_core.evictable_device_leaves, tree_core._node_arena)
+            # a leaf's evictability also changes with FULL-only locks, which reach no SWA hook
+            leaves = watch_leaves(tree_core, self._marconi_leaf)
+            plan.view = SGLangWindowView(self.component_type, leaves, tree_core._node_arena)
             plan.bind(tree_core.root_node)
             self.marconi_plan = plan
 

@@ -48,6 +48,7 @@ from typing import Any, Optional
 from sglang_marconi.policy.candidate_index import CandidateIndex, lowest_across
 from sglang_marconi.policy.eviction.coverage import coverage_value, lowest_coverage
 from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
+from sglang_marconi.serving.leaf_watch import watch_leaves
 
 KV, MAMBA = 0, 1  # index positions: KV pressure, Mamba pressure
 PRESSURE_NAMES = ("kv", "mamba")
@@ -126,7 +127,9 @@ class MarconiTreeIndex:
         self.tree_core = tree_core
         self.root = tree_core.root_node
         self._arena = tree_core._node_arena
-        self._leaves = tree_core.evictable_device_leaves
+        # leaf status changes on SGLang paths no hook of ours sees (a host-only child revived by an
+        # insert, a load back): the leaf set itself reports them
+        self._leaves = watch_leaves(tree_core, self.changed)
         self._has_mamba = self._mamba_type in tree_core.components_by_type
         self._kv_bytes = int(self.profile.kv_bytes_per_token)
         self._state_bytes = int(self.profile.ssm_state_bytes) if self._has_mamba else 0

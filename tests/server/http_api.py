@@ -107,11 +107,11 @@ def reads_decode_written_kv(hit: Generation, earlier: list[Generation]) -> bool:
     """Whether the cached prefix of `hit` may hold KV or a state that an earlier request wrote in
     a decode step: it reaches into some earlier request's output (conservative: the tree may hold
     another request's prefill-written copy)."""
-    return any(min(hit.cached_tokens, _common_prefix(hit.input_ids, e.input_ids + e.output_ids)) > len(e.input_ids)
+    return any(min(hit.cached_tokens, common_prefix(hit.input_ids, e.input_ids + e.output_ids)) > len(e.input_ids)
                for e in earlier)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:

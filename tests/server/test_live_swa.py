@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from http_api import common_prefix
 from tiny_models import SLIDING_WINDOW
 
 SWA_KIND = "sliding-window"
@@ -34,15 +35,6 @@ def tokens(seed: int, n: int) -> list[int]:
     """n random word ids (2..511: never a special token)."""
     rng = random.Random(seed)
     return [rng.randrange(2, 512) for _ in range(n)]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # --- the stand-in, against a reference (no server) ------------------------------------------

@@ -216,6 +216,23 @@ class CandidateIndex:
         return self.items[self._first_of_equals(scores, int(scores.argmin()))]
 
 
+def keep(index: CandidateIndex, slots: dict, item: Any, row: Optional[tuple]) -> None:
+    """Make `item` (keyed by its `id` in `slots`, id -> slot) a candidate of `index` with the
+    columns `row`, or, with `row` None, no candidate: add, update or remove, keeping `slots` in
+    step with the swap that `remove` makes."""
+    slot = slots.get(item.id)
+    if row is None:
+        if slot is not None:
+            del slots[item.id]
+            moved = index.remove(slot)
+            if moved is not None:
+                slots[moved.id] = slot
+    elif slot is None:
+        slots[item.id] = index.add(item, *row)
+    else:
+        index.update(slot, *row)
+
+
 def lowest_across(indexes, alpha: float):
     """The lowest-utility candidate over several indexes, each column min-max normalized over
     their union (the cross-kind byte-budget choice: KV leaves and SSM states in one ranking).

@@ -79,6 +79,7 @@ import functools
 import operator
 from typing import Optional
 
+from sglang_marconi.policy.candidate_index import keep
 from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
 from sglang_marconi.policy.host_candidates import HostCandidateIndex, anchor_end, ranked_below_across
 from sglang_marconi.policy.tier_rules import Demotion, EvictionFacts, MarconiTiering, host_candidate_bytes
@@ -352,18 +353,7 @@ class HostCandidates:
         self._set(STATE_POOL, node, (t, value, freed, states) if states else None)
 
     def _set(self, pool: int, node, row) -> None:
-        slots, index = self._slots[pool], self.indexes[pool]
-        slot = slots.get(node.id)
-        if row is None:
-            if slot is not None:
-                del slots[node.id]
-                moved = index.remove(slot)
-                if moved is not None:
-                    slots[moved.id] = slot
-        elif slot is None:
-            slots[node.id] = index.add(node, *row)
-        else:
-            index.update(slot, *row)
+        keep(self.indexes[pool], self._slots[pool], node, row)
 
     def _row(self, pool: int, node):
         slot = self._slots[pool].get(node.id)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Optional
 
-from sglang_marconi.policy.candidate_index import CandidateIndex, lowest_across
+from sglang_marconi.policy.candidate_index import CandidateIndex, keep, lowest_across
 from sglang_marconi.policy.eviction.coverage import coverage_value, lowest_coverage
 from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
 from sglang_marconi.serving.leaf_watch import watch_leaves
@@ -251,18 +251,7 @@ class MarconiTreeIndex:
         self._set(MAMBA, node, state_time(node), effs[MAMBA])
 
     def _set(self, p: int, node, last_access, value: Optional[float]) -> None:
-        slots, index = self._slots[p], self.indexes[p]
-        slot = slots.get(node.id)
-        if value is None:
-            if slot is not None:
-                del slots[node.id]
-                moved = index.remove(slot)
-                if moved is not None:
-                    slots[moved.id] = slot
-        elif slot is None:
-            slots[node.id] = index.add(node, last_access, value)
-        else:
-            index.update(slot, last_access, value)
+        keep(self.indexes[p], self._slots[p], node, None if value is None else (last_access, value))
 
     def pending(self) -> int:
         return len(self._dirty) + len(self._struct)

@@ -93,6 +93,9 @@ def _component_classes():
                 raise ValueError("the FULL and MAMBA Marconi components of one cache need the same settings")
             if state.index is None:
                 state.index = MarconiTreeIndex(lambda: cache.tree_core, settings.profile, ComponentType.MAMBA)
+                # a change of leaf status is recorded under the same guard as every other hook
+                state.index.leaf_listener = lambda node: self._index("evictable_device_leaves",
+                                                                     state.index.changed, node)
             self.marconi = state
             self._marconi_upstream_walk = False
 

@@ -81,6 +81,9 @@ class MarconiTreeIndex:
         self.root = None
         self._dirty: set = set()
         self._struct: set = set()
+        # Told of each change of the tree core's leaf set (`leaf_watch`); the owner may wrap
+        # `changed` in its fault guard.
+        self.leaf_listener = self.changed
         self.value_kind = "flops"  # the value column: "flops", "seglen" or "coverage"
         self.rebuilds = 0
         self._clear()
@@ -129,7 +132,7 @@ class MarconiTreeIndex:
         self._arena = tree_core._node_arena
         # leaf status changes on SGLang paths no hook of ours sees (a host-only child revived by an
         # insert, a load back): the leaf set itself reports them
-        self._leaves = watch_leaves(tree_core, self.changed)
+        self._leaves = watch_leaves(tree_core, self.leaf_listener)
         self._has_mamba = self._mamba_type in tree_core.components_by_type
         self._kv_bytes = int(self.profile.kv_bytes_per_token)
         self._state_bytes = int(self.profile.ssm_state_bytes) if self._has_mamba else 0

@@ -362,3 +362,19 @@ def tree_signature(cache):
             out.append((child_path, child.component_data[MAMBA].value is not None))
             stack.append((child, child_path))
     return sorted(out)
+
+
+# -- faults ------------------------------------------------------------------------------------
+class Injected(RuntimeError):
+    """A fault a test injects."""
+
+
+class FakeGroup:
+    """Rank 1 of a 2-rank group, for the fault protocol only (nothing here communicates)."""
+
+    def __new__(cls):
+        from sglang_marconi.serving.lockstep import RankGroup
+
+        group = RankGroup()
+        group.size, group.rank, group.is_leader = 2, 1, False
+        return group

@@ -17,27 +17,15 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sglang_cpu import MAMBA, build_marconi_serving, run_request, tree_signature  # noqa: E402
+from sglang_cpu import MAMBA, FakeGroup, Injected, build_marconi_serving, run_request, tree_signature  # noqa: E402
 
 from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
 from sglang_marconi.serving.faults import MarconiFaults, MarconiGroupFault  # noqa: E402
-from sglang_marconi.serving.lockstep import RankGroup  # noqa: E402
 from sglang_marconi.serving.tree_index import MarconiTreeIndex  # noqa: E402
 
 SYSTEM = list(range(1, 301))
 
-
-class Injected(RuntimeError):
-    pass
-
-
-class FakeGroup(RankGroup):
-    """A rank of a 2-rank group, for the fault protocol only (nothing here communicates)."""
-
-    def __init__(self):
-        super().__init__()
-        self.size, self.rank, self.is_leader = 2, 1, False
 
 
 def fail_at(monkeypatch, owner, name, calls):

@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sglang_cpu import build_marconi_serving, run_request, tree_signature  # noqa: E402
+from sglang_cpu import FakeGroup, Injected, build_marconi_serving, run_request, tree_signature  # noqa: E402
 from sglang_swa_cpu import SWA, build_swa_cache, session_requests  # noqa: E402
 
 from sglang_marconi.policy.probation import ProbationRegistry  # noqa: E402
@@ -40,24 +40,12 @@ from sglang_marconi.serving.faults import (  # noqa: E402
     MarconiFaults,
     MarconiGroupFault,
 )
-from sglang_marconi.serving.lockstep import RankGroup  # noqa: E402
 from sglang_marconi.serving.swa_component import window_time  # noqa: E402
 from sglang_marconi.serving.tree_index import MarconiTreeIndex  # noqa: E402
 
 WINDOW = 64
 SYSTEM = list(range(1, 301))
 
-
-class Injected(RuntimeError):
-    pass
-
-
-class FakeGroup(RankGroup):
-    """Rank 1 of a 2-rank group, for the fault protocol only (nothing here communicates)."""
-
-    def __init__(self):
-        super().__init__()
-        self.size, self.rank, self.is_leader = 2, 1, False
 
 
 def marconi_warnings(caplog):

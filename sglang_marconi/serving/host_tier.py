@@ -535,7 +535,8 @@ class ServedHostTier:
             raise
         except Exception as exc:
             self.candidates.invalidate()
-            self.faults.recovered(f"host tier {where}", exc)
+            if not self.faults.recovered(f"host tier {where}", exc):
+                return _GONE  # past the recovery bound a rank alone fell back: upstream's way
         try:
             return decide()
         except MarconiGroupFault:

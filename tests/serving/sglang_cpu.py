@@ -378,3 +378,19 @@ class FakeGroup:
         group = RankGroup()
         group.size, group.rank, group.is_leader = 2, 1, False
         return group
+
+
+def fail_at(monkeypatch, owner, name, calls):
+    """Make `owner.name` raise `Injected` at the calls numbered in `calls` (1-based; a range for
+    a persistent fault); returns the call log."""
+    original = getattr(owner, name)
+    log = []
+
+    def broken(*args, **kwargs):
+        log.append(1)
+        if len(log) in calls:
+            raise Injected(f"injected into {name} at call {len(log)}")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, broken)
+    return log

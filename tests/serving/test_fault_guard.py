@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sglang_cpu import MAMBA, FakeGroup, Injected, build_marconi_serving, run_request, tree_signature  # noqa: E402
+from sglang_cpu import MAMBA, FakeGroup, Injected, build_marconi_serving, fail_at, run_request, tree_signature  # noqa: E402
 
 from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
@@ -26,22 +26,6 @@ from sglang_marconi.serving.tree_index import MarconiTreeIndex  # noqa: E402
 
 SYSTEM = list(range(1, 301))
 
-
-
-def fail_at(monkeypatch, owner, name, calls):
-    """Make `owner.name` raise `Injected` at the calls numbered in `calls` (1-based; a range for
-    a persistent fault); returns the call log."""
-    original = getattr(owner, name)
-    log = []
-
-    def broken(*args, **kwargs):
-        log.append(1)
-        if len(log) in calls:
-            raise Injected(f"injected into {name} at call {len(log)}")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, broken)
-    return log
 
 
 def serving(group=None, **kwargs):

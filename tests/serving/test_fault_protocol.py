@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sglang_cpu import FakeGroup, Injected, build_marconi_serving, run_request, tree_signature  # noqa: E402
+from sglang_cpu import FakeGroup, Injected, build_marconi_serving, fail_at, run_request, tree_signature  # noqa: E402
 from sglang_swa_cpu import SWA, build_swa_cache, session_requests  # noqa: E402
 
 from sglang_marconi.policy.probation import ProbationRegistry  # noqa: E402
@@ -258,20 +258,6 @@ def serve(cc, n, seed=0):
         hits.append(hit)
         cc.check_no_leak()
     return hits
-
-
-def fail_at(monkeypatch, owner, name, calls):
-    original = getattr(owner, name)
-    seen = []
-
-    def broken(*args, **kwargs):
-        seen.append(1)
-        if len(seen) in calls:
-            raise Injected(f"injected into {name} at call {len(seen)}")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, broken)
-    return seen
 
 
 PRIMARY = [  # (owner, name, the call that fails, where the fault is reported)

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copies", default="1,2,4", help="Mooncake trace multiples for the cost rows")
     p.add_argument("--progress", action="store_true")
     args = p.parse_args(argv)
-    from sglang_marconi.policy.model_profile import load_profile
+    from sglang_marconi.policy.cost.model_profile import load_profile
 
     profile = load_profile("paper-7b")
     specs = [s for s in WORKLOADS if not (s == "mooncake" and (args.quick or not MOONCAKE.exists()))]

@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_marconi.policy.eviction import FlopAwareEviction
-from sglang_marconi.policy.model_profile import load_profile
-from sglang_marconi.policy.shadow_tuner import ShadowConfig
-from sglang_marconi.policy.tier_rules import UpstreamWriteBack
+from sglang_marconi.policy.rules.eviction import FlopAwareEviction
+from sglang_marconi.policy.cost.model_profile import load_profile
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
+from sglang_marconi.policy.rules.tier_rules import UpstreamWriteBack
 from sglang_marconi.sim.baselines.tiered_radix import TieredRadixPolicy
 from sglang_marconi.sim.policies import build_policy
 from sglang_marconi.sim.replay import replay

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sglang_marconi.policy.model_profile import load_profile
-from sglang_marconi.policy.shadow_tuner import ShadowConfig
+from sglang_marconi.policy.cost.model_profile import load_profile
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
 from sglang_marconi.sim.kv_blocks.registry import build_block_cache
 from sglang_marconi.sim.kv_blocks.replay import replay_blocks
 from sglang_marconi.sim.kv_blocks.view import block_trace

@@ -18,10 +18,10 @@ import time
 
 import numpy as np
 
-from sglang_marconi.policy.candidate_index import CandidateIndex, lowest_across
-from sglang_marconi.policy.eviction import FlopAwareEviction
-from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
-from sglang_marconi.policy.model_profile import load_profile
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex, lowest_across
+from sglang_marconi.policy.rules.eviction import FlopAwareEviction
+from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.cost.model_profile import load_profile
 
 try:
     from tqdm import tqdm

@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_marconi.policy.model_profile import load_profile, paper_hybrid_profile
-from sglang_marconi.policy.shadow_tuner import ShadowConfig, choice_label, eviction_for
+from sglang_marconi.policy.cost.model_profile import load_profile, paper_hybrid_profile
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, choice_label, eviction_for
 from sglang_marconi.sim import robustness
 from sglang_marconi.sim.baselines.belady import BeladyBound
 from sglang_marconi.sim.baselines.hybrid_radix import HybridRadixPolicy
@@ -341,7 +341,7 @@ SWA_WINDOWS = (128, 1024, 4096, 16384)  # the SWA-ratio axis: gpt-oss-20b with o
 
 
 def swa_footprint(workload, profile) -> int:
-    from sglang_marconi.policy.window_cache import SGLANG, WindowPrefixCache
+    from sglang_marconi.policy.tree.window_cache import SGLANG, WindowPrefixCache
 
     cache = WindowPrefixCache(profile, 10**18, SGLANG)
     for request in workload:

@@ -384,7 +384,7 @@ def serve(cc, probe: Probe, r, chunk: int | None, chunk_end) -> int:
 
 
 def run_cell(config, kv_size, mamba_size, info: TraceInfo, chunk, profile, bar, extra_buffer=False) -> Cell:
-    from sglang_marconi.policy.shadow_tuner import choice_label
+    from sglang_marconi.policy.tuning.shadow_tuner import choice_label
     from sglang_marconi.serving.admission import chunk_end_for_branch
 
     cell = Cell(config, kv_size, mamba_size)
@@ -442,7 +442,7 @@ def keep_malloc_arenas() -> None:
 
 
 def _profile():
-    from sglang_marconi.policy.model_profile import load_profile
+    from sglang_marconi.policy.cost.model_profile import load_profile
 
     return load_profile("nemotron-h-8b")
 

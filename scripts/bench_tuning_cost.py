@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_marconi.policy.model_profile import load_profile
-from sglang_marconi.policy.shadow_tuner import ShadowConfig, eviction_for
+from sglang_marconi.policy.cost.model_profile import load_profile
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, eviction_for
 from sglang_marconi.sim.baselines.hybrid_radix import HybridRadixPolicy
 from sglang_marconi.sim.policies import build_policy
 from sglang_marconi.sim.replay import replay

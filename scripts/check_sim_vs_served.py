@@ -17,7 +17,7 @@ Replays one trace (any format the simulator reads, token ids where it has them) 
   `release_kv_cache`. With `--alpha auto` the runtime tunes inline (its shadows on the scheduler
   thread), adopting the tuner's choice at its sync points, as a server does.
 - simulated: `python -m sglang_marconi.sim` with the same pools (`--kv-tokens`, `--mamba-slots`,
-  the strategy and chunking): `sim/baselines/served.py`, the model in `policy/served_cache.py`.
+  the strategy and chunking): `sim/baselines/served.py`, the model in `policy/tree/served_cache.py`.
 
 It prints the share of requests whose hit tokens agree, each side's total hit tokens, and the first
 disagreement with its cause (the states each cache held on that request's path, and the evictions
@@ -177,7 +177,7 @@ def run(requests, profile_name: str, kv_tokens: int, mamba_slots: int, strategy:
     warnings.filterwarnings("ignore")
     import sglang_cpu  # noqa: F401 (SGLang's Python tree core, set before SGLang loads)
 
-    from sglang_marconi.policy.model_profile import load_profile
+    from sglang_marconi.policy.cost.model_profile import load_profile
     from sglang_marconi.serving.two_pass_prefill import install_two_pass_prefill_hook
 
     profile = load_profile(profile_name)
@@ -201,8 +201,8 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
          workload_name, sync_every) -> Report:
     from sglang_cpu import build_marconi_serving, node_depth, run_request
 
-    from sglang_marconi.policy.served_cache import ServedPools
-    from sglang_marconi.policy.shadow_tuner import LRU, ShadowTuner, choice_label
+    from sglang_marconi.policy.tree.served_cache import ServedPools
+    from sglang_marconi.policy.tuning.shadow_tuner import LRU, ShadowTuner, choice_label
     from sglang_marconi.serving.admission import chunk_end_for_branch
     from sglang_marconi.serving.config import MarconiServingConfig
     from sglang_marconi.serving.eviction_settings import MarconiVictim
@@ -294,8 +294,8 @@ def run_swa(requests, profile_name: str, kv_tokens: int, swa_tokens: int, chunk:
     import sglang_swa_cpu  # noqa: F401 (SGLang's Python tree core, set before SGLang loads)
     from sglang_swa_cpu import build_marconi_swa_serving, run_swa_request
 
-    from sglang_marconi.policy.model_profile import load_profile
-    from sglang_marconi.policy.shadow_tuner import choice_label
+    from sglang_marconi.policy.cost.model_profile import load_profile
+    from sglang_marconi.policy.tuning.shadow_tuner import choice_label
     from sglang_marconi.serving.config import MarconiServingConfig
     from sglang_marconi.sim.baselines.swa_radix import served_marconi_swa
 

@@ -1,4 +1,4 @@
-"""FROZEN REFERENCE (tests only): `sglang_marconi/policy/shadow_tuner.py` as of commit 3ef8560,
+"""FROZEN REFERENCE (tests only): `sglang_marconi/policy/tuning/shadow_tuner.py` as of commit 3ef8560,
 before the shadows were restructured to share their matching work (issue 23, item 4). Its shadows
 are plain `HybridPrefixCache`s, each walking and admitting on its own. `tests/test_shadow_equivalence.py`
 runs it beside the package's tuner on the same streams and requires identical decisions and scores.
@@ -10,7 +10,7 @@ Continuous shadow tuning: which eviction choice the live cache should use, decid
 shadow cache per candidate choice, all kept running on the same sample of sessions.
 
 - Sampling (SHARDS-style): a session is in the sample when its hash falls below `sample_rate`
-  (`policy/sampling.py`); the shadows see only sampled sessions, at capacity x `sample_rate`.
+  (`policy/tuning/sampling.py`); the shadows see only sampled sessions, at capacity x `sample_rate`.
 - One shared shadow until the first eviction: before any eviction every candidate holds exactly
   the same tree, so a single cache stands for all of them; it keeps both recency conventions
   (SGLang's LRU refreshes the whole matched path, Marconi only the node hit). Just before its
@@ -65,11 +65,11 @@ from typing import Sequence
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
-from sglang_marconi.policy.eviction.flop_aware import check_alpha
-from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
-from sglang_marconi.policy.radix_tree import Node, Walk, as_token_array
-from sglang_marconi.policy.sampling import check_rate, session_in_sample
+from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
+from sglang_marconi.policy.rules.eviction.flop_aware import check_alpha
+from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.tree.radix_tree import Node, Walk, as_token_array
+from sglang_marconi.policy.tuning.sampling import check_rate, session_in_sample
 
 LRU = "lru"  # the choice that stands for SGLang's LRU (leaves only, whole-path refresh)
 SEGLEN = "seglen"  # "seglen:W": SegLen-style eviction with weight W (`eviction/seglen.py`)

@@ -3,7 +3,7 @@ made to exercise one part of the tuner (contention, branches, sampling, the guar
 
 import numpy as np
 
-from sglang_marconi.policy.sampling import session_in_sample
+from sglang_marconi.policy.tuning.sampling import session_in_sample
 
 
 def contended_requests(n, seed=0):

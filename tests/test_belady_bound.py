@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.model_profile import load_profile
-from sglang_marconi.policy.shadow_tuner import ShadowConfig, choice_label, eviction_for
+from sglang_marconi.policy.cost.model_profile import load_profile
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, choice_label, eviction_for
 from sglang_marconi.sim.baselines.belady import BeladyBound
 from sglang_marconi.sim.baselines.dual_bound import DualBound
 from sglang_marconi.sim.baselines.hit_options import hit_options

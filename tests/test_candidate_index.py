@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_marconi.policy.candidate_index import CandidateIndex, lowest_across, marconi_scores, utility_weights
-from sglang_marconi.policy.eviction.coverage import lowest_coverage
-from sglang_marconi.policy.host_candidates import HostCandidateIndex
-from sglang_marconi.policy.small_candidates import SmallCandidateIndex
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex, lowest_across, marconi_scores, utility_weights
+from sglang_marconi.policy.rules.eviction.coverage import lowest_coverage
+from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex
+from sglang_marconi.policy.tree.small_candidates import SmallCandidateIndex
 
 values = st.floats(min_value=0, max_value=1e9, allow_nan=False)
 

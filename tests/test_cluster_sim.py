@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sglang_marconi.policy.model_profile import load_profile
+from sglang_marconi.policy.cost.model_profile import load_profile
 from sglang_marconi.sim import cli
 from sglang_marconi.sim.cluster.cli import replay_cells
 from sglang_marconi.sim.cluster.routers import (

@@ -7,9 +7,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_marconi.policy.eviction import CoverageEviction, FlopAwareEviction
-from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
-from sglang_marconi.policy.model_profile import load_profile
+from sglang_marconi.policy.rules.eviction import CoverageEviction, FlopAwareEviction
+from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.cost.model_profile import load_profile
 from sglang_marconi.sim.policies import build_policy, check_policy_name
 from sglang_marconi.sim.replay import replay
 from sglang_marconi.sim.synthetic import generate

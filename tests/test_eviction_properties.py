@@ -5,8 +5,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_marconi.policy.eviction import FlopAwareEviction, LruLeafEviction
-from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.rules.eviction import FlopAwareEviction, LruLeafEviction
+from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
 
 # Requests built from a few shared prefixes and small alphabets, so branches, splits, merges and
 # evictions all happen within a few dozen operations.

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.model_profile import load_profile
-from sglang_marconi.policy.shadow_tuner import ShadowConfig
+from sglang_marconi.policy.cost.model_profile import load_profile
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
 from sglang_marconi.sim.cli import main
 from sglang_marconi.sim.hindsight import replay_best
 from sglang_marconi.sim.policies import build_policy

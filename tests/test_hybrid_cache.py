@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction import FlopAwareEviction, LruLeafEviction
-from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.rules.eviction import FlopAwareEviction, LruLeafEviction
+from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
 
 SYSTEM = list(range(1000, 1100))  # a 100-token shared system prompt
 

@@ -37,7 +37,7 @@ def test_layers_do_not_import_upward_or_engines():
 
 def test_importing_any_module_loads_no_torch_or_sglang():
     code = (
-        "import sys, sglang_marconi.sim.cli, sglang_marconi.policy.shadow_tuner, sglang_marconi.policy.model_profile,"
+        "import sys, sglang_marconi.sim.cli, sglang_marconi.policy.tuning.shadow_tuner, sglang_marconi.policy.cost.model_profile,"
         " sglang_marconi.serving.plugin, sglang_marconi.serving.runtime, sglang_marconi.serving.cache,"
         " sglang_marconi.serving.admission, sglang_marconi.serving.metrics, sglang_marconi.serving.two_pass_prefill,"
         " sglang_marconi.serving.components, sglang_marconi.serving.tree_index, sglang_marconi.serving.eviction_settings,"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sglang_marconi.policy.errors import MarconiError, ProfileError
-from sglang_marconi.policy.model_profile import (
+from sglang_marconi.policy.cost.model_profile import (
     BUILTIN_PROFILE_NAMES,
     ModelProfile,
     load_profile,
@@ -204,7 +204,7 @@ def test_ssm_state_dtype_override():
 
 
 def _profile_json(name):
-    from sglang_marconi.policy import model_profile
+    from sglang_marconi.policy.cost import model_profile
     return model_profile._PROFILE_DIR / f"{name}.json"
 
 

@@ -13,7 +13,7 @@ import pytest
 from sglang_marconi.plan import grid
 from sglang_marconi.plan.grid import Plan, Row
 from sglang_marconi.plan.cli import main, verdict
-from sglang_marconi.policy.model_profile import load_profile
+from sglang_marconi.policy.cost.model_profile import load_profile
 from sglang_marconi.sim.cli import main as sim_main
 
 MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_marconi.policy.eviction import FlopAwareEviction, LruLeafEviction
-from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
-from sglang_marconi.policy.shadow_tuner import ShadowConfig, ShadowTuner
+from sglang_marconi.policy.rules.eviction import FlopAwareEviction, LruLeafEviction
+from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, ShadowTuner
 
 PROMPT = list(range(1000, 1200))  # 200 tokens
 

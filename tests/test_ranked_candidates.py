@@ -1,4 +1,4 @@
-"""`RankedCandidates` (policy/ranked_candidates.py) names the candidate a from-scratch
+"""`RankedCandidates` (policy/tree/ranked_candidates.py) names the candidate a from-scratch
 `marconi_scores` over the whole set puts first, exact ties to the lowest tie id, after any
 sequence of additions, removals, recency moves and in-place changes, at any block size."""
 
@@ -8,8 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_marconi.policy.candidate_index import marconi_scores
-from sglang_marconi.policy.ranked_candidates import RankedCandidates
+from sglang_marconi.policy.tree.candidate_index import marconi_scores
+from sglang_marconi.policy.tree.ranked_candidates import RankedCandidates
 
 
 def reference_lowest(entries: dict, alpha: float):

@@ -4,7 +4,7 @@ adversarial traces are built as described, and the dev and held-out parts do not
 import numpy as np
 import pytest
 
-from sglang_marconi.policy.sampling import session_in_sample
+from sglang_marconi.policy.tuning.sampling import session_in_sample
 from sglang_marconi.sim import robustness as R
 
 

@@ -1,4 +1,4 @@
-"""The model of the served cache (`policy/served_cache.py`), engine-free: what the served tests check
+"""The model of the served cache (`policy/tree/served_cache.py`), engine-free: what the served tests check
 in SGLang's real cache holds here too, the ledgers stay whole, the tuner's served shadows are the
 model itself, and the simulator runs it from its flags. (`tests/serving/test_sim_equivalence.py`
 compares it with SGLang request by request.)"""
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.model_profile import load_profile
-from sglang_marconi.policy.served_cache import EXTRA_BUFFER, NO_BUFFER, ServedCache, ServedPools
-from sglang_marconi.policy.shadow_tuner import LRU, ShadowConfig, ShadowTuner
+from sglang_marconi.policy.cost.model_profile import load_profile
+from sglang_marconi.policy.tree.served_cache import EXTRA_BUFFER, NO_BUFFER, ServedCache, ServedPools
+from sglang_marconi.policy.tuning.shadow_tuner import LRU, ShadowConfig, ShadowTuner
 from sglang_marconi.sim.synthetic import generate
 
 PROFILE = load_profile("nemotron-h-8b")
@@ -47,8 +47,8 @@ def test_the_running_request_holds_its_kv_while_it_runs():
     600 of them but no state there (hit 0), so while it runs it holds its own 900 tokens of KV: the
     first request's tokens go, although 901 would fit once it finished (what a cache that admits
     at the end, `HybridPrefixCache`, keeps)."""
-    from sglang_marconi.policy.eviction import FlopAwareEviction
-    from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
+    from sglang_marconi.policy.rules.eviction import FlopAwareEviction
+    from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
 
     first, second = list(range(1, 601)), list(range(1, 601)) + list(range(5001, 5301))
     c = model(kv=1000, slots=8, probation=False)
@@ -127,7 +127,7 @@ def test_the_simulator_runs_the_served_cache_from_its_flags(capsys):
 
 def test_the_simulator_runs_the_served_swa_policy_from_its_flags(capsys):
     """A sliding-window model's served pools: --kv-tokens (full KV) and --swa-tokens (SWA KV)."""
-    from sglang_marconi.policy.window_cache import pool_split
+    from sglang_marconi.policy.tree.window_cache import pool_split
     from sglang_marconi.sim.baselines.swa_radix import served_marconi_swa
     from sglang_marconi.sim.cli import main
 

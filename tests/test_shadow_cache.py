@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from toy_profile import ToyProfile
 
-from sglang_marconi.policy.evidence import Evidence, GuardSums
-from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
-from sglang_marconi.policy.shadow_cache import ShadowCache
-from sglang_marconi.policy.shadow_tuner import eviction_for
-from sglang_marconi.policy.shared_match import SharedMatch
-from sglang_marconi.policy.small_candidates import SmallCandidateIndex
+from sglang_marconi.policy.tuning.evidence import Evidence, GuardSums
+from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.tree.shadow_cache import ShadowCache
+from sglang_marconi.policy.tuning.shadow_tuner import eviction_for
+from sglang_marconi.policy.tree.shared_match import SharedMatch
+from sglang_marconi.policy.tree.small_candidates import SmallCandidateIndex
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def test_guard_sums_are_the_evidence_of_two_arms(adds, current, copy_from):
        st.sampled_from([0.0, 1.0, 20.0, 100.0]))
 def test_small_index_picks_the_reference_victim(entries, alpha):
     """Ties included (recency drawn from few values): the Python path defers to the reference."""
-    from sglang_marconi.policy.candidate_index import CandidateIndex
+    from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 
     small, ref = SmallCandidateIndex(4), CandidateIndex(4)
     for i, (t, e) in enumerate(entries):

@@ -14,9 +14,9 @@ import reference_shadow_tuner as reference
 import shadow_streams as streams
 from toy_profile import ToyProfile
 
-from sglang_marconi.policy import shadow_tuner
-from sglang_marconi.policy.model_profile import load_profile
-from sglang_marconi.policy.sampling import session_in_sample
+from sglang_marconi.policy.tuning import shadow_tuner
+from sglang_marconi.policy.cost.model_profile import load_profile
+from sglang_marconi.policy.tuning.sampling import session_in_sample
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from shadow_streams import contended_requests, conversations, misleading_sample,
 from toy_profile import ToyProfile
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
-from sglang_marconi.policy.shadow_tuner import (
+from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.tuning.shadow_tuner import (
     LRU, Evidence, ShadowConfig, ShadowTuner, adopt_choice, choice_label, eviction_for, parse_alpha_grid,
 )
 
@@ -117,7 +117,7 @@ def test_sampling_feeds_only_sampled_sessions_at_scaled_capacity(toy):
     reqs = list(contended_requests(300))
     for sid, inp, out in reqs:
         tuner.observe(sid, inp, out)
-    from sglang_marconi.policy.sampling import session_in_sample
+    from sglang_marconi.policy.tuning.sampling import session_in_sample
 
     assert tuner.log.sampled == sum(session_in_sample(sid, 0.5) for sid, _, _ in reqs) < len(reqs)
     cache = tuner.shared or tuner.shadows[0]
@@ -237,7 +237,7 @@ def test_a_sample_that_misleads_does_not_take_the_live_cache_below_lru(verify):
 
 
 def test_the_verifier_steps_aside_when_the_caller_passes_only_sampled_requests(toy):
-    from sglang_marconi.policy.sampling import session_in_sample
+    from sglang_marconi.policy.tuning.sampling import session_in_sample
 
     tuner = ShadowTuner(toy, 1000, ShadowConfig(sample_rate=0.25))
     assert tuner.verifier is not None

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.model_profile import load_profile
+from sglang_marconi.policy.cost.model_profile import load_profile
 from sglang_marconi.sim.cli import main
 from sglang_marconi.sim.policies import build_policy
 from sglang_marconi.sim.replay import replay

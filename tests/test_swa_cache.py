@@ -11,8 +11,8 @@ except ImportError:  # pragma: no cover
     given = None
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.model_profile import AttentionSpec, MlpSpec, ModelProfile, load_profile
-from sglang_marconi.policy.window_cache import FURIOSA, MARCONI, SGLANG, WindowPrefixCache
+from sglang_marconi.policy.cost.model_profile import AttentionSpec, MlpSpec, ModelProfile, load_profile
+from sglang_marconi.policy.tree.window_cache import FURIOSA, MARCONI, SGLANG, WindowPrefixCache
 from sglang_marconi.sim import cli
 from sglang_marconi.sim.baselines.swa_radix import WindowRadixPolicy, furiosa, marconi_swa, sglang_plus_swa
 from sglang_marconi.sim.policies import build_policy
@@ -172,7 +172,7 @@ def test_cli_reports_hit_end_reasons(tmp_path, capsys):
 
 
 def test_tuned_marconi_adopts_an_alpha_from_its_shadows():
-    from sglang_marconi.policy.shadow_tuner import ShadowConfig
+    from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
     from sglang_marconi.sim.replay import replay
     from sglang_marconi.sim.traces import load_workload
 

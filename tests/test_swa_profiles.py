@@ -5,7 +5,7 @@ import math
 import pytest
 
 from sglang_marconi.policy.errors import ProfileError
-from sglang_marconi.policy.model_profile import load_profile, profile_from_config
+from sglang_marconi.policy.cost.model_profile import load_profile, profile_from_config
 
 
 def _gpt_oss_config(**over):

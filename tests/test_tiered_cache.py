@@ -1,4 +1,4 @@
-"""The two-tier cache (`policy/tiered_cache.py`) and its rules (`policy/tier_rules.py`): upstream's
+"""The two-tier cache (`policy/tree/tiered_cache.py`) and its rules (`policy/rules/tier_rules.py`): upstream's
 write-back rule on hand-built trees, Marconi's demote-or-drop, budgets and bookkeeping on random
 streams, and exact load backs."""
 
@@ -8,11 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction import FlopAwareEviction, LruLeafEviction
-from sglang_marconi.policy.host_candidates import HostCandidateIndex
-from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
-from sglang_marconi.policy.tier_rules import Demotion, EvictionFacts, MarconiTiering, UpstreamWriteBack
-from sglang_marconi.policy.tiered_cache import TieredPrefixCache
+from sglang_marconi.policy.rules.eviction import FlopAwareEviction, LruLeafEviction
+from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex
+from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.rules.tier_rules import Demotion, EvictionFacts, MarconiTiering, UpstreamWriteBack
+from sglang_marconi.policy.tree.tiered_cache import TieredPrefixCache
 
 X, Y = list(range(100, 120)), list(range(200, 210))  # a 20-token prefix and a 10-token continuation
 
@@ -169,7 +169,7 @@ def test_duplicates_are_freed_before_anything_is_lost(toy, rules):
 def test_arguments_are_checked(toy):
     with pytest.raises(MarconiError, match="host_capacity_bytes"):
         TieredPrefixCache(toy, 100, -1, UpstreamWriteBack())
-    from sglang_marconi.policy.eviction import CoverageEviction
+    from sglang_marconi.policy.rules.eviction import CoverageEviction
 
     with pytest.raises(MarconiError, match="coverage"):
         TieredPrefixCache(toy, 100, 10, UpstreamWriteBack(), CoverageEviction())
@@ -300,8 +300,8 @@ def test_host_candidate_rule_and_ranked_mask_shared_with_the_served_tier():
     may displace: the mask `bytes_ranked_below` sums)."""
     import numpy as np
 
-    from sglang_marconi.policy.host_candidates import HostCandidateIndex
-    from sglang_marconi.policy.tier_rules import MarconiTiering, UpstreamWriteBack, host_candidate_bytes
+    from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex
+    from sglang_marconi.policy.rules.tier_rules import MarconiTiering, UpstreamWriteBack, host_candidate_bytes
 
     def facts(**kw):
         base = dict(locked=False, is_root=False, kv_on_device=False, kv_on_host=True, state_on_device=False,

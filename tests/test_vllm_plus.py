@@ -291,7 +291,7 @@ def test_zero_size_profile_rejected():
 
 
 def test_real_profile_block_bytes():
-    mp = pytest.importorskip("sglang_marconi.policy.model_profile")
+    mp = pytest.importorskip("sglang_marconi.policy.cost.model_profile")
     profile = mp.load_profile("paper-7b")
     cache = VllmPlusCache(profile, capacity_bytes=50 * 10**9)
     assert cache.block_bytes == 32 * profile.kv_bytes_per_token + profile.ssm_state_bytes

@@ -18,7 +18,7 @@ from pathlib import Path
 from sglang_marconi.plan import grid
 from sglang_marconi.plan.grid import Plan, Row
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.model_profile import load_profile
+from sglang_marconi.policy.cost.model_profile import load_profile
 from sglang_marconi.sim.traces import DEFAULT_WORKLOAD, MOONCAKE_TOKEN_MODES, load_workload
 from sglang_marconi.sim.units import format_bytes, parse_bytes
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.served_cache import EXTRA_BUFFER, NO_BUFFER, ServedPools
-from sglang_marconi.policy.shadow_tuner import ShadowConfig
+from sglang_marconi.policy.tree.served_cache import EXTRA_BUFFER, NO_BUFFER, ServedPools
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
 from sglang_marconi.sim.policies import build_policy
 from sglang_marconi.sim.replay import RunResult, replay
 from sglang_marconi.sim.tuning import shadow_config_for

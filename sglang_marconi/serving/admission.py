@@ -31,7 +31,7 @@ So the checkpoint at the end of a request's input (its last prefill extend) also
 it offers, as a *probationary* state: only into a free Mamba slot or one freed from another
 probationary state, evicted before any other state under Mamba pressure (oldest first), and
 confirmed (a regular state from then on) by a match that reuses it or a regular state committed
-on its node (`policy/probation.ProbationRegistry`). Its room is reserved by an eviction call that may take
+on its node (`policy/rules/probation.ProbationRegistry`). Its room is reserved by an eviction call that may take
 probationary states only (`EvictionWalk.probation_only`, carried by the `EvictParams` it passes): under
 one byte budget too, where it must not take KV bytes, it never displaces a regular state or a KV leaf. In extra_buffer mode the state offered there is the
 extend's last snapshot; a request that tracks none after it (a decode shorter than the snapshot
@@ -47,7 +47,7 @@ The class is built lazily (`admission_mixin()`) so importing this module needs n
 
 from __future__ import annotations
 
-from sglang_marconi.policy import branch_grid
+from sglang_marconi.policy.rules import branch_grid
 from sglang_marconi.serving.cache_state import EvictionWalk, marconi_evict_params, request_state
 
 

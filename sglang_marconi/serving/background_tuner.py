@@ -1,4 +1,4 @@
-"""The shadow tuner (`policy/shadow_tuner.py`) off the scheduler thread: a child process fed
+"""The shadow tuner (`policy/tuning/shadow_tuner.py`) off the scheduler thread: a child process fed
 through a shared-memory ring, whose decisions take effect at fixed points of the request stream.
 
 - Channel: a byte ring in shared memory (`shared_ring.py`): the scheduler copies each sampled
@@ -39,9 +39,9 @@ from array import array
 
 import numpy as np
 
-from sglang_marconi.policy.sampling import session_in_sample
-from sglang_marconi.policy.shadow_tuner import Choice, ShadowTuner, SyncRecorder, TunerLog, choice_label
-from sglang_marconi.policy.tuner_spec import TunerSpec
+from sglang_marconi.policy.tuning.sampling import session_in_sample
+from sglang_marconi.policy.tuning.shadow_tuner import Choice, ShadowTuner, SyncRecorder, TunerLog, choice_label
+from sglang_marconi.policy.tuning.tuner_spec import TunerSpec
 from sglang_marconi.serving.shared_ring import SharedRing, fence
 
 log = logging.getLogger("sglang_marconi")

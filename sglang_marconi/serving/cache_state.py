@@ -17,7 +17,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from sglang_marconi.policy.probation import ProbationRegistry
+from sglang_marconi.policy.rules.probation import ProbationRegistry
 
 
 @dataclass

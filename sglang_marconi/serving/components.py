@@ -1,6 +1,6 @@
 """SGLang's FULL and MAMBA tree components with Marconi's eviction (paper §4.2): thin subclasses
 that translate SGLang's hooks into the candidate index (`tree_index.py`), the probation registry
-(`policy/probation.py`) and the policy core's choice (`CandidateIndex.lowest`, `lowest_across`).
+(`policy/rules/probation.py`) and the policy core's choice (`CandidateIndex.lowest`, `lowest_across`).
 
 SGLang frees memory under two pressures, each driven by one component's walk
 (`_evict_device_start` / `_evict_device_next_node` / `_evict_device_end`, one mutation per step):

@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.shadow_tuner import (
+from sglang_marconi.policy.tuning.shadow_tuner import (
     COVERAGE, DEFAULT_ALPHA_GRID, DEFAULT_SEGLEN_WEIGHTS, OBJECTIVES, ShadowConfig, parse_alpha_grid,
     parse_seglen_weights,
 )

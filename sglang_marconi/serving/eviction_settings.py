@@ -1,5 +1,5 @@
 """What the served cache evicts by: the eviction choice in force (one of the shadow tuner's
-choices, `policy/shadow_tuner.py`), the model's FLOP/byte profile, the counters of what it did,
+choices, `policy/tuning/shadow_tuner.py`), the model's FLOP/byte profile, the counters of what it did,
 and the cache's fault protocol (`faults.py`). Engine-free.
 
 The choice decides the rule:
@@ -10,7 +10,7 @@ The choice decides the rule:
 - `"seglen:W"`: SegLen-style, `norm(recency) + W * norm(replay length back to the nearest state)`;
 - `"coverage"` (`--marconi-eviction coverage`, fixed): SGLang #38000's rule under Mamba pressure
   (the state covering the fewest positions first, ties to the least recent;
-  `policy/eviction/coverage.py`), recency alone over the leaves under KV pressure.
+  `policy/rules/eviction/coverage.py`), recency alone over the leaves under KV pressure.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from sglang_marconi.policy.eviction import SegLenEviction
-from sglang_marconi.policy.eviction.flop_aware import check_alpha
-from sglang_marconi.policy.shadow_tuner import COVERAGE, LRU, Choice, choice_label, eviction_for
+from sglang_marconi.policy.rules.eviction import SegLenEviction
+from sglang_marconi.policy.rules.eviction.flop_aware import check_alpha
+from sglang_marconi.policy.tuning.shadow_tuner import COVERAGE, LRU, Choice, choice_label, eviction_for
 from sglang_marconi.serving.faults import MarconiFaults
 
 KV_PRESSURE = "kv"
@@ -70,7 +70,7 @@ class MarconiEvictionSettings:
     def __init__(self, profile, choice: Choice = 0.0, observer: Optional[Callable[[MarconiVictim], None]] = None,
                  faults: Optional[MarconiFaults] = None):
         if isinstance(profile, str):
-            from sglang_marconi.policy.model_profile import load_profile
+            from sglang_marconi.policy.cost.model_profile import load_profile
 
             profile = load_profile(profile)
         for attr in ("kv_bytes_per_token", "ssm_state_bytes", "prefill_flops"):

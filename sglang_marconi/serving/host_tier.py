@@ -79,10 +79,10 @@ import functools
 import operator
 from typing import Optional
 
-from sglang_marconi.policy.candidate_index import keep
-from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
-from sglang_marconi.policy.host_candidates import HostCandidateIndex, anchor_end, ranked_below_across
-from sglang_marconi.policy.tier_rules import Demotion, EvictionFacts, MarconiTiering, host_candidate_bytes
+from sglang_marconi.policy.tree.candidate_index import keep
+from sglang_marconi.policy.rules.eviction.flop_aware import flops_saved_per_byte
+from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex, anchor_end, ranked_below_across
+from sglang_marconi.policy.rules.tier_rules import Demotion, EvictionFacts, MarconiTiering, host_candidate_bytes
 from sglang_marconi.serving.faults import MarconiGroupFault
 
 KV_POOL, STATE_POOL = 0, 1  # host candidate indexes: what a candidate frees

@@ -75,7 +75,7 @@ def served_model_profile(hf_config):
 
 
 def _profile_or_reason(hf_config):
-    from sglang_marconi.policy.model_profile import profile_from_config
+    from sglang_marconi.policy.cost.model_profile import profile_from_config
 
     config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
     try:

@@ -1,5 +1,5 @@
 """Per-scheduler Marconi state: the figures the metrics report, and online tuning of the eviction
-choice by shadow caches (`policy/shadow_tuner.py`).
+choice by shadow caches (`policy/tuning/shadow_tuner.py`).
 
 The cache (`serving/cache.py`) reports matches, evictions and releases here. With `--marconi-alpha
 auto` every finished request is fed to the shadow tuner, which runs in a background process
@@ -18,7 +18,7 @@ flush stop tuning (the leader tells the group), the figures and the exporter sto
 Per-request figures live in `req.marconi`, so a request released by any path (abort, retraction,
 PD transfer) leaves nothing behind here.
 
-The shadows are the model of the served cache (`policy/served_cache.py`) on what the live cache was
+The shadows are the model of the served cache (`policy/tree/served_cache.py`) on what the live cache was
 given (`served_pools`: the KV pool's tokens and the Mamba pool's slots, scaled by the sample rate,
 the Mamba strategy, chunked prefill): at sample rate 1 the shadow of the choice in force predicts
 the live cache's hits request by request (`scripts/check_sim_vs_served.py --shadows`). Under
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_marconi.policy.shadow_tuner import Choice
-from sglang_marconi.policy.tuner_spec import TunerSpec
+from sglang_marconi.policy.tuning.shadow_tuner import Choice
+from sglang_marconi.policy.tuning.tuner_spec import TunerSpec
 from sglang_marconi.serving.cache_state import request_state
 from sglang_marconi.serving.lockstep import Directive, GroupChannel, LocalChannel, RankGroup
 
@@ -66,7 +66,7 @@ class InlineShadowTuner:
     late = 0
 
     def __init__(self, spec, *, sync_every: int = 32):
-        from sglang_marconi.policy.shadow_tuner import SyncRecorder
+        from sglang_marconi.policy.tuning.shadow_tuner import SyncRecorder
 
         self.tuner = spec.build()
         self.choices = spec.choices
@@ -480,7 +480,7 @@ def served_pools(cache, config):
     request holds as SGLang does, one request at a time: the pools are not reduced for it. None where
     the model does not apply (one byte budget, pages of more than one token, upstream's admission):
     the shadows then run `shadow_budget`'s budgets."""
-    from sglang_marconi.policy.served_cache import EXTRA_BUFFER, NO_BUFFER, ServedPools
+    from sglang_marconi.policy.tree.served_cache import EXTRA_BUFFER, NO_BUFFER, ServedPools
 
     allocator = cache.token_to_kv_pool_allocator
     pool = cache.req_to_token_pool

@@ -13,7 +13,7 @@ windows: a request whose full-KV match runs past its SWA-valid match (a new bran
 and every finished request keeps the window before its last token. `swa_retain_floor` adds that a
 request never frees the window before its branch point before that insertion.
 
-Eviction under SWA pressure (`MarconiSWAComponent`): the rule of `policy/window_plan.py` (stale
+Eviction under SWA pressure (`MarconiSWAComponent`): the rule of `policy/rules/window_plan.py` (stale
 SWA KV first, oldest first; a leaf's last window is never tombstoned: the leaf goes whole; branch
 windows and leaves ranked by recency + alpha x FLOPs saved per byte freed), kept incrementally by
 a `WindowPlan` per cache. This module only translates SGLang's nodes and hooks into it:
@@ -49,7 +49,7 @@ import functools
 import logging
 from dataclasses import dataclass, field
 
-from sglang_marconi.policy.window_plan import LEAF, STALE, WindowPlan, reference_plan
+from sglang_marconi.policy.rules.window_plan import LEAF, STALE, WindowPlan, reference_plan
 from sglang_marconi.serving.cache_state import MarconiCacheState
 from sglang_marconi.serving.faults import MarconiFaults
 from sglang_marconi.serving.leaf_watch import watch_leaves
@@ -62,7 +62,7 @@ def profile_for_swa(config: dict):
     """The policy core's profile of an SWA hybrid config. Mellum (Qwen3-MoE with interleaved
     SWA, served by SGLang's `MellumForCausalLM`) is read through the MiMo-V2-Flash parser, which
     has the same per-layer SWA / dense-or-MoE layout keys under other names."""
-    from sglang_marconi.policy.model_profile import profile_from_config
+    from sglang_marconi.policy.cost.model_profile import profile_from_config
 
     arch = (config.get("architectures") or [""])[0]
     if arch == "MellumForCausalLM":
@@ -108,7 +108,7 @@ class SWASettings:
 
     @property
     def label(self) -> str:
-        from sglang_marconi.policy.shadow_tuner import choice_label
+        from sglang_marconi.policy.tuning.shadow_tuner import choice_label
 
         return choice_label(self.alpha)
 

@@ -1,5 +1,5 @@
 """The runtime of a sliding-window (SWA) cache: its figures, and alpha tuned online by window
-shadows (`policy/window_tuner.py`, the simulator's tuner), with the same sync points, directives,
+shadows (`policy/tuning/window_tuner.py`, the simulator's tuner), with the same sync points, directives,
 bounded waits and fault protocol as the SSM runtime it extends (`runtime.MarconiRuntime`).
 
 The shadows model SGLang's two pools in bytes: the full-KV pool's tokens and the SWA pool's
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_marconi.policy.shadow_tuner import choice_label
-from sglang_marconi.policy.tuner_spec import TunerSpec
-from sglang_marconi.policy.window_cache import pool_split
+from sglang_marconi.policy.tuning.shadow_tuner import choice_label
+from sglang_marconi.policy.tuning.tuner_spec import TunerSpec
+from sglang_marconi.policy.tree.window_cache import pool_split
 from sglang_marconi.serving.runtime import METRICS, MarconiRuntime
 
 

@@ -6,7 +6,7 @@ One `CandidateIndex` (policy core) per pressure:
   whole, a single-child node only loses its state (its KV stays).
 Each entry holds the node's recency and its value column: FLOPs saved per byte freed
 (Marconi), the replay length (SegLen), or the positions a state covers (`coverage`, SGLang
-#38000's rule: `policy/eviction/coverage.py`; a subtree's change re-scores its nearest stated
+#38000's rule: `policy/rules/eviction/coverage.py`; a subtree's change re-scores its nearest stated
 ancestor, whose value is a walk of the stateless nodes below it). Who is chosen is the policy core's rule
 (`CandidateIndex.lowest`, `lowest_across`); this module only keeps the columns current.
 
@@ -45,9 +45,9 @@ from __future__ import annotations
 import operator
 from typing import Any, Optional
 
-from sglang_marconi.policy.candidate_index import CandidateIndex, keep, lowest_across
-from sglang_marconi.policy.eviction.coverage import coverage_value, lowest_coverage
-from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex, keep, lowest_across
+from sglang_marconi.policy.rules.eviction.coverage import coverage_value, lowest_coverage
+from sglang_marconi.policy.rules.eviction.flop_aware import flops_saved_per_byte
 from sglang_marconi.serving.leaf_watch import watch_leaves
 
 KV, MAMBA = 0, 1  # index positions: KV pressure, Mamba pressure

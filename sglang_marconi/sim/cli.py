@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.model_profile import load_profile
-from sglang_marconi.policy.shadow_tuner import ShadowConfig, parse_alpha_grid, parse_seglen_weights
+from sglang_marconi.policy.cost.model_profile import load_profile
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, parse_alpha_grid, parse_seglen_weights
 from sglang_marconi.sim.baselines.belady import BELADY, BeladyBound
 from sglang_marconi.sim.cluster.cli import add_cluster_arguments, check_cluster_arguments, cluster_main
 from sglang_marconi.sim.hindsight import BEST, replay_best
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sliding-window models: the SWA KV pool's share of --capacity (a static split); "
                         "default: furiosa's proportional split, one budget for sglang+ and marconi")
     served = p.add_argument_group("the served cache (SGLang's radix cache with the marconi backend, modeled request by "
-                                  "request: policy/served_cache.py); --kv-tokens and --mamba-slots select it")
+                                  "request: policy/tree/served_cache.py); --kv-tokens and --mamba-slots select it")
     served.add_argument("--kv-tokens", type=int, help="the server's KV pool, in token slots (instead of --capacity)")
     served.add_argument("--mamba-slots", type=int, help="the server's Mamba pool, in state slots (running requests' included)")
     served.add_argument("--mamba-radix-cache-strategy", default="no_buffer", choices=("no_buffer", "extra_buffer"),
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> list[RunResult]:
     if blocks and not any(map(is_kv_policy, policies)):
         raise MarconiError("--capacity-blocks sizes only kv-* policies, and --policies names none")
     if swa_pools is not None:
-        from sglang_marconi.policy.window_cache import pool_split
+        from sglang_marconi.policy.tree.window_cache import pool_split
 
         capacities = [pool_split(profile, *swa_pools)[0]]
         if args.policies == DEFAULT_POLICIES:
@@ -270,7 +270,7 @@ def served_pools_of(args: argparse.Namespace):
         raise MarconiError("--kv-tokens and --mamba-slots go together (the server's two pools)")
     import math
 
-    from sglang_marconi.policy.served_cache import ServedPools
+    from sglang_marconi.policy.tree.served_cache import ServedPools
 
     return ServedPools(args.kv_tokens, args.mamba_slots, args.mamba_radix_cache_strategy, args.chunked_prefill_size,
                        args.mamba_cache_chunk_size, math.lcm(args.mamba_cache_chunk_size, args.mamba_track_interval))

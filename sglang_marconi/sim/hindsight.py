@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sglang_marconi.policy.shadow_tuner import ShadowConfig, choice_label, eviction_for
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, choice_label, eviction_for
 from sglang_marconi.sim.baselines.hybrid_radix import HybridRadixPolicy
 from sglang_marconi.sim.replay import RunResult, replay
 from sglang_marconi.sim.workload import Workload

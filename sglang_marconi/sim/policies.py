@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 
-from sglang_marconi.policy.shadow_tuner import ShadowConfig
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction.flop_aware import check_alpha
+from sglang_marconi.policy.rules.eviction.flop_aware import check_alpha
 from sglang_marconi.sim.baselines.hybrid_radix import coverage, marconi, sglang_plus
 from sglang_marconi.sim.baselines.infinite import InfiniteCache
 from sglang_marconi.sim.baselines.no_cache import NoCache
@@ -134,7 +134,7 @@ def _build_swa_policy(name, base, fixed, profile, capacity_bytes, alpha, tuning,
 
 
 def _build_served_policy(name, base, fixed, profile, pools, alpha, tuning, probation, sync_every):
-    from sglang_marconi.policy.shadow_tuner import LRU
+    from sglang_marconi.policy.tuning.shadow_tuner import LRU
     from sglang_marconi.sim.baselines.served import ServedPolicy
 
     if getattr(profile, "has_sliding_window", False):

@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from sglang_marconi.policy.sampling import session_in_sample
+from sglang_marconi.policy.tuning.sampling import session_in_sample
 from sglang_marconi.sim.synthetic import generate
 from sglang_marconi.sim.traces import MooncakeTrace, load_trace
 from sglang_marconi.sim.workload import ListWorkload, Request, Workload

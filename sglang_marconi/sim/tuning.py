@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sglang_marconi.policy.shadow_tuner import ShadowConfig
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
 from sglang_marconi.sim.workload import Workload
 
 COST_BUDGET = 1.0

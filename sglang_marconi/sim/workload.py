@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.sampling import check_rate, session_in_sample
+from sglang_marconi.policy.tuning.sampling import check_rate, session_in_sample
 
 __all__ = ["Request", "Workload", "ListWorkload", "sample_sessions", "session_in_sample"]
 

@@ -232,7 +232,7 @@ def test_tuner_choice_and_shadow_scores_are_served(server):
     """The shadow tuner runs in the server (the default `--marconi-alpha auto`): every candidate of
     the default configuration has a score in /server_info and a gauge on /metrics, and exactly one
     choice is marked in force."""
-    from sglang_marconi.policy.shadow_tuner import choice_label
+    from sglang_marconi.policy.tuning.shadow_tuner import choice_label
     from sglang_marconi.serving.config import MarconiServingConfig
 
     system = tokens(9, 100)

@@ -164,7 +164,7 @@ def test_swa_alpha_is_tuned_online_and_its_gauges_are_served(tuned_swa_server):
 
     from http_api import generate, marconi_figures, marconi_gauges
 
-    from sglang_marconi.policy.shadow_tuner import choice_label
+    from sglang_marconi.policy.tuning.shadow_tuner import choice_label
     from sglang_marconi.serving.config import MarconiServingConfig
     from sglang_marconi.serving.metrics import SWA_GAUGES
 

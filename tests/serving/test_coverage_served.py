@@ -2,7 +2,7 @@
 state covering the fewest tree positions evicted first, ties to the least recently used) inside
 SGLang's real UnifiedRadixCache on CPU, through the scheduler's calls.
 
-The rule lives once, in the policy core (`policy/eviction/coverage.py`); the served index only
+The rule lives once, in the policy core (`policy/rules/eviction/coverage.py`); the served index only
 keeps its value column current. Checked here: the index equals a from-scratch evaluation after
 every request while the coverage of a state changes with what is inserted and evicted below it;
 every Mamba-pressure victim is the brute-force minimum over SGLang's tree (an evaluation written

@@ -29,8 +29,8 @@ pytest.importorskip("sglang")
 from sglang_cpu import FakeGroup, Injected, build_marconi_serving, fail_at, run_request, tree_signature  # noqa: E402
 from sglang_swa_cpu import SWA, build_swa_cache, session_requests  # noqa: E402
 
-from sglang_marconi.policy.probation import ProbationRegistry  # noqa: E402
-from sglang_marconi.policy.window_plan import WindowPlan  # noqa: E402
+from sglang_marconi.policy.rules.probation import ProbationRegistry  # noqa: E402
+from sglang_marconi.policy.rules.window_plan import WindowPlan  # noqa: E402
 from sglang_marconi.serving import components  # noqa: E402
 from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402

@@ -336,7 +336,7 @@ def test_a_branch_state_on_a_backed_up_path_is_demoted_not_lost(backend):
 # -- the host candidates, kept incrementally -------------------------------------------------------
 def _brute_room_below(tier, alpha, last_access, value, protect):
     """`HostCandidates.room_below` from scratch: fresh indexes over the whole tree, `protect` left out."""
-    from sglang_marconi.policy.host_candidates import HostCandidateIndex, ranked_below_across
+    from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex, ranked_below_across
 
     arena, indexes = cc_arena(tier), []
     for rows in tier.brute_force_entries():

@@ -28,8 +28,8 @@ NOT_SGLANG = {
 # Names we define ourselves that an SGLang module we import also defines: ours where we use them.
 OWN = {
     "_bind": "serving/tree_index.py",
-    "_delete_leaf": "policy/served_cache.py",
-    "_is_device_leaf": "policy/tiered_cache.py",
+    "_delete_leaf": "policy/tree/served_cache.py",
+    "_is_device_leaf": "policy/tree/tiered_cache.py",
     "_key": "policy/ (radix tree, caches)",
     "_new_node": "policy/ (radix tree, caches)",
     "_read": "serving/shared_ring.py",

@@ -33,7 +33,7 @@ pytest.importorskip("sglang")
 
 from sglang_cpu import build_cache, run_request, tree_signature  # noqa: E402
 
-from sglang_marconi.policy.candidate_index import CandidateIndex  # noqa: E402
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex  # noqa: E402
 
 KINDS = ("marconi", "lru", "coverage", "bytes")
 CHOICE = {"marconi": 2.0, "lru": 0.0, "coverage": "coverage", "bytes": 1.0}

@@ -13,7 +13,7 @@ pytest.importorskip("sglang")
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 from sglang_cpu import FULL, MAMBA, run_request  # noqa: E402
 
-from sglang_marconi.policy.model_profile import load_profile  # noqa: E402
+from sglang_marconi.policy.cost.model_profile import load_profile  # noqa: E402
 from sglang_marconi.serving.eviction_settings import KV_PRESSURE, MAMBA_PRESSURE  # noqa: E402
 
 PROFILE = load_profile("nemotron-h-8b")

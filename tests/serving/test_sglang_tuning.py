@@ -15,8 +15,8 @@ pytest.importorskip("sglang")
 from sglang_cpu import build_marconi_serving as marconi_serving  # noqa: E402
 from sglang_cpu import run_request  # noqa: E402
 
-from sglang_marconi.policy.model_profile import load_profile  # noqa: E402
-from sglang_marconi.policy.shadow_tuner import LRU, ShadowTuner, choice_label  # noqa: E402
+from sglang_marconi.policy.cost.model_profile import load_profile  # noqa: E402
+from sglang_marconi.policy.tuning.shadow_tuner import LRU, ShadowTuner, choice_label  # noqa: E402
 from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
 from sglang_marconi.serving.runtime import served_pools  # noqa: E402
@@ -242,7 +242,7 @@ def test_a_dropped_tuner_stops_its_child_before_its_shared_memory_is_reused():
     memory that multiprocessing's heap hands to the next tuner (it did: zeroed a later tuner's scores)."""
     import gc
 
-    from sglang_marconi.policy.tuner_spec import TunerSpec
+    from sglang_marconi.policy.tuning.tuner_spec import TunerSpec
     from sglang_marconi.serving.background_tuner import BackgroundShadowTuner
 
     tuner = BackgroundShadowTuner(TunerSpec("hybrid", load_profile("nemotron-h-8b"), 10**9, CONFIG.tuning(),

@@ -30,7 +30,7 @@ vocabulary, so no remapping is needed.
 
 With eviction, the paper's cache (`HybridPrefixCache`: one budget or two, a compressed tree,
 admission at a request's end) is not the server's. The simulator's model of the served cache
-(`policy/served_cache.py`, `--kv-tokens` / `--mamba-slots`) is: `test_simulator_describes_the_server`
+(`policy/tree/served_cache.py`, `--kv-tokens` / `--mamba-slots`) is: `test_simulator_describes_the_server`
 replays each synthetic kind through SGLang's cache as the server builds it and through the
 simulator (`scripts/check_sim_vs_served.py`), at tight and ample pools, in both Mamba strategies,
 with and without probation, tuned online and fixed, and requires >= 99% of requests with identical
@@ -50,8 +50,8 @@ pytest.importorskip("sglang")
 
 from sglang_cpu import MAMBA, build_cache, run_request  # noqa: E402
 
-from sglang_marconi.policy.hybrid_cache import HybridPrefixCache  # noqa: E402
-from sglang_marconi.policy.model_profile import load_profile  # noqa: E402
+from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache  # noqa: E402
+from sglang_marconi.policy.cost.model_profile import load_profile  # noqa: E402
 from sglang_marconi.serving.admission import admission_mixin, chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.components import marconi_component_overrides  # noqa: E402
 from sglang_marconi.serving.eviction_settings import MarconiEvictionSettings  # noqa: E402
@@ -240,7 +240,7 @@ def test_simulator_describes_the_server(check, name):
 # Where neither pool evicts, the two agree request by request: admission (the window before the end
 # and before a branch point), SGLang's SWA match validator and the kept tokens are the same. Under SWA
 # pressure they do not (strict xfail below; measured 81.9% identical, the simulator 12% short). The
-# served cache evicts by `policy/window_plan.py` on SGLang's tree: SWA KV in no reuse point's window
+# served cache evicts by `policy/rules/window_plan.py` on SGLang's tree: SWA KV in no reuse point's window
 # (stale, by distance to the reuse point below) first, then branch windows and leaves; it keeps a
 # request's SWA KV from the scheduler's last out-of-window free (every 128 tokens past the window) to
 # its end, and evicts when a request allocates, while the request holds its window. The simulator's
@@ -248,7 +248,7 @@ def test_simulator_describes_the_server(check, name):
 # inner node whose fully-covered child edge is shorter than the window, even where no reuse point's
 # window reaches it: on the tight lmsys case SGLang freed 142 stale segments and no leaf, the
 # simulator 83 leaves (their full KV with them). The fix is one SWA rule: a model of SGLang's SWA tree
-# in the policy core evicting by `window_plan`, as `policy/served_cache.py` does for Mamba.
+# in the policy core evicting by `window_plan`, as `policy/tree/served_cache.py` does for Mamba.
 AMPLE_POOL = 1_000_000
 SWA_CONFIGS = {
     "swa-lmsys-ample-auto": ("lmsys", dict(sessions=8, scale=0.1, seed=1), AMPLE_POOL, AMPLE_POOL, None, "auto"),

@@ -13,7 +13,7 @@ from sglang_marconi.serving.source_digest import package_source_digest, tree_dig
 FILES = {
     "__init__.py": "__version__ = '0.1.0'\n",
     "policy/__init__.py": "",
-    "policy/eviction.py": "def victim(nodes):\n    return min(nodes)\n",
+    "policy/rules/eviction.py": "def victim(nodes):\n    return min(nodes)\n",
     "serving/runtime.py": "SYNC_EVERY = 64\n" * 50,
     "serving/z_last.py": "X = 1\n",
 }
@@ -70,7 +70,7 @@ def test_a_renamed_file_or_a_byte_moved_across_files_changes_the_digest(tmp_path
     renamed = {("serving/y_last.py" if k == "serving/z_last.py" else k): v for k, v in FILES.items()}
     assert tree_digest(write_tree(tmp_path / "renamed", renamed)) != base
     # the same bytes in the same order, the boundary between two files moved by one byte
-    moved = dict(FILES, **{"policy/eviction.py": FILES["policy/eviction.py"][:-1],
+    moved = dict(FILES, **{"policy/rules/eviction.py": FILES["policy/rules/eviction.py"][:-1],
                            "serving/runtime.py": "\n" + FILES["serving/runtime.py"]})
     assert tree_digest(write_tree(tmp_path / "moved", moved)) != base
     extra = dict(FILES, **{"serving/new.py": ""})

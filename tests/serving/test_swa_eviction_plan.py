@@ -1,5 +1,5 @@
 """Marconi's victim order under SWA-pool pressure (`serving/swa_component.plan_victims`, the
-reference of `policy/window_plan.py`), on small trees of stand-in nodes shaped like SGLang's
+reference of `policy/rules/window_plan.py`), on small trees of stand-in nodes shaped like SGLang's
 (`key`, `children`, `parent`, per-component data): stale windows first, never a tombstone inside
 a branch's last window (SGLang #35515), branch-point windows and leaves ranked by recency + alpha
 x FLOPs saved per byte, locked data never touched. The incremental `WindowPlan` on the same
@@ -108,7 +108,7 @@ def test_a_fault_is_reported_once_and_named():
     assert s.faulted == "plan: ValueError: boom"
 
 
-# -- the incremental plan (policy/window_plan.py) on the same stand-in nodes, no engine --------
+# -- the incremental plan (policy/rules/window_plan.py) on the same stand-in nodes, no engine --------
 
 class StandInView:
     """`WindowView` over the stand-in nodes; `gone` holds the ids taken out of the tree."""
@@ -131,7 +131,7 @@ class StandInView:
 
 
 def bound_plan(root, alpha=1.0):
-    from sglang_marconi.policy.window_plan import WindowPlan
+    from sglang_marconi.policy.rules.window_plan import WindowPlan
 
     plan = WindowPlan(WINDOW, StandInView(), settings(alpha).profile)
     plan.bind(root)

@@ -1,4 +1,4 @@
-"""Marconi's incremental SWA eviction plan (policy/window_plan.py, kept by the hooks of
+"""Marconi's incremental SWA eviction plan (policy/rules/window_plan.py, kept by the hooks of
 serving/swa_component.py) on SGLang's real SWA cache on CPU (`sglang_swa_cpu.py`):
 
 - after any sequence of inserts (SWA KV partly freed, prefixes recovered), matches, locks (with

@@ -1,5 +1,5 @@
 """Alpha tuning of the served sliding-window cache (`serving/swa_runtime.py`): the window shadows
-(`policy/window_tuner.py`, the simulator's tuner) see the served stream, model the served pools,
+(`policy/tuning/window_tuner.py`, the simulator's tuner) see the served stream, model the served pools,
 and their decisions take effect at sync points exactly as the SSM runtime's do; the component's
 eviction ranks with the alpha in force."""
 
@@ -12,7 +12,7 @@ pytest.importorskip("sglang")
 
 import sglang_swa_cpu  # noqa: E402
 
-from sglang_marconi.policy.window_cache import MARCONI  # noqa: E402
+from sglang_marconi.policy.tree.window_cache import MARCONI  # noqa: E402
 from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
 from sglang_marconi.serving.swa_runtime import SWARuntime  # noqa: E402
 

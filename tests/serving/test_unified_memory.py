@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 from sglang_cpu import FULL, MAMBA, run_request  # noqa: E402
 from test_sglang_eviction import VOCAB, Workload, alive, brute_force, serve, utilities  # noqa: E402
 
-from sglang_marconi.policy.model_profile import load_profile  # noqa: E402
+from sglang_marconi.policy.cost.model_profile import load_profile  # noqa: E402
 from sglang_marconi.serving.cache_state import EvictionWalk, marconi_evict_params  # noqa: E402
 from sglang_marconi.serving.eviction_settings import BYTE_PRESSURE, KV_PRESSURE, MAMBA_PRESSURE  # noqa: E402,F401
 from sglang_marconi.serving.runtime import shadow_budget  # noqa: E402

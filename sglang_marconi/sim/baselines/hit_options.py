@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_marconi.policy.radix_tree import Node, RadixTree
+from sglang_marconi.policy.tree.radix_tree import Node, RadixTree
 from sglang_marconi.sim.workload import Workload
 
 

@@ -2,17 +2,17 @@
 
 All use the policy core's `HybridPrefixCache` with Marconi's admission; they differ only in
 eviction: SGLang+ is LRU over leaves with path refresh, Marconi is FLOP-aware with a fixed alpha
-or a choice tuned online by shadow caches (`policy/shadow_tuner.py`), coverage is SGLang PR
-#38000's rule (`policy/eviction/coverage.py`).
+or a choice tuned online by shadow caches (`policy/tuning/shadow_tuner.py`), coverage is SGLang PR
+#38000's rule (`policy/rules/eviction/coverage.py`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from sglang_marconi.policy.eviction import CoverageEviction, EvictionPolicy, FlopAwareEviction, LruLeafEviction
-from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
-from sglang_marconi.policy.shadow_tuner import ShadowConfig, ShadowTuner, adopt_choice, eviction_for
+from sglang_marconi.policy.rules.eviction import CoverageEviction, EvictionPolicy, FlopAwareEviction, LruLeafEviction
+from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, ShadowTuner, adopt_choice, eviction_for
 from sglang_marconi.sim.policy_api import Outcome, PolicyStats
 from sglang_marconi.sim.workload import Request
 

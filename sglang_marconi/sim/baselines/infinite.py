@@ -3,7 +3,7 @@ request's input or output, as if every token's KV and every position's SSM state
 
 from __future__ import annotations
 
-from sglang_marconi.policy.radix_tree import RadixTree
+from sglang_marconi.policy.tree.radix_tree import RadixTree
 from sglang_marconi.sim.policy_api import Outcome, PolicyStats
 from sglang_marconi.sim.workload import Request
 

@@ -1,5 +1,5 @@
 """The served cache on the simulator's `Policy` interface: SGLang's radix cache with the `marconi`
-backend, modeled request by request (`policy/served_cache.py`), on the pools the server was given
+backend, modeled request by request (`policy/tree/served_cache.py`), on the pools the server was given
 (`--kv-tokens`, `--mamba-slots`, `--mamba-radix-cache-strategy`, `--chunked-prefill-size`).
 
 `sglang+` is the backend's `lru` choice (Marconi's admission, SGLang's LRU eviction), `marconi:A`
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from sglang_marconi.policy.served_cache import ServedCache, ServedPools
-from sglang_marconi.policy.shadow_tuner import ShadowConfig, ShadowTuner, SyncRecorder, eviction_for
+from sglang_marconi.policy.tree.served_cache import ServedCache, ServedPools
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, ShadowTuner, SyncRecorder, eviction_for
 from sglang_marconi.sim.policy_api import Outcome, PolicyStats
 from sglang_marconi.sim.workload import Request
 

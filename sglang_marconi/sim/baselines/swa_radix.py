@@ -1,5 +1,5 @@
 """Furiosa, SGLang+ and Marconi for sliding-window (SWA) hybrids on the simulator's `Policy`
-interface, over the policy core's `WindowPrefixCache` (`policy/window_cache.py`).
+interface, over the policy core's `WindowPrefixCache` (`policy/tree/window_cache.py`).
 
 - `furiosa`: Furiosa-LLM's rules: every computed token keeps its SWA KV; a static split between a
   global and an SWA pool (`swa_share`, by default in proportion to the per-token bytes, so that SWA
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from sglang_marconi.policy.shadow_tuner import ShadowConfig
-from sglang_marconi.policy.window_cache import FURIOSA, MARCONI, SGLANG, WindowPrefixCache, WindowRules, pool_split
-from sglang_marconi.policy.window_tuner import WindowTuner
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
+from sglang_marconi.policy.tree.window_cache import FURIOSA, MARCONI, SGLANG, WindowPrefixCache, WindowRules, pool_split
+from sglang_marconi.policy.tuning.window_tuner import WindowTuner
 from sglang_marconi.sim.policy_api import Outcome, PolicyStats
 from sglang_marconi.sim.workload import Request
 

@@ -16,10 +16,10 @@ from dataclasses import asdict
 
 import numpy as np
 
-from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction
-from sglang_marconi.policy.shadow_tuner import ShadowConfig, ShadowTuner, adopt_choice, eviction_for
-from sglang_marconi.policy.tier_rules import MarconiTiering, UpstreamWriteBack
-from sglang_marconi.policy.tiered_cache import TieredPrefixCache
+from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, ShadowTuner, adopt_choice, eviction_for
+from sglang_marconi.policy.rules.tier_rules import MarconiTiering, UpstreamWriteBack
+from sglang_marconi.policy.tree.tiered_cache import TieredPrefixCache
 from sglang_marconi.sim.policy_api import Outcome, PolicyStats
 from sglang_marconi.sim.workload import Request
 

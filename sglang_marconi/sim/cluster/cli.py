@@ -48,8 +48,8 @@ def check_cluster_arguments(args: argparse.Namespace) -> bool:
 
 
 def run_cluster(args: argparse.Namespace) -> list[ClusterRun]:
-    from sglang_marconi.policy.model_profile import load_profile
-    from sglang_marconi.policy.shadow_tuner import ShadowConfig
+    from sglang_marconi.policy.cost.model_profile import load_profile
+    from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
     from sglang_marconi.sim.hindsight import BEST
     from sglang_marconi.sim.policies import check_policy_name, split_policies
     from sglang_marconi.sim.traces import DEFAULT_WORKLOAD, load_workload
@@ -86,7 +86,7 @@ def replay_cells(workload, profile, routers: list[str], policies: list[str], cap
                  progress: bool = False, capacity_blocks: list[int] | None = None,
                  tune_sample_rate: float | None = None) -> list[ClusterRun]:
     """Every (router, policy, capacity) cell over `workers` workers (the benchmark's entry point)."""
-    from sglang_marconi.policy.shadow_tuner import ShadowConfig
+    from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
     from sglang_marconi.sim.kv_blocks.registry import build_block_cache, is_kv_policy
     from sglang_marconi.sim.kv_blocks.view import block_trace, kv_capacities
     from sglang_marconi.sim.policies import CAPACITY_FREE, build_policy

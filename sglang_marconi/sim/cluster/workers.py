@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.radix_tree import as_token_array
+from sglang_marconi.policy.tree.radix_tree import as_token_array
 from sglang_marconi.sim.baselines.hybrid_radix import HybridRadixPolicy
 from sglang_marconi.sim.baselines.infinite import InfiniteCache
 from sglang_marconi.sim.baselines.no_cache import NoCache

@@ -12,7 +12,7 @@ only what the work costs, which the tuner pays once per candidate choice:
   own prefix src[:start] is the path above. Splitting moves `start`, merging a node into its child
   moves the child's `start` back (the child's source holds the whole path): no token is copied.
 - Matching goes through the request's `SharedMatch`, which compares the request with each source
-  once for all shadows (`policy/shared_match.py`); a walk is then dict lookups.
+  once for all shadows (`policy/tree/shared_match.py`); a walk is then dict lookups.
 - One walk per request: `lookup` walks the whole sequence and leaves the walk to `admit` (the
   lookup's walk of the input is its prefix); the admitted states are found on the admitted path,
   not by walking again.
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
-from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
-from sglang_marconi.policy.hybrid_cache import CacheCounters
-from sglang_marconi.policy.probation import ProbationRegistry, evict_oldest_probationary
-from sglang_marconi.policy.shared_match import SharedMatch
-from sglang_marconi.policy.small_candidates import SmallCandidateIndex
+from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
+from sglang_marconi.policy.rules.eviction.flop_aware import flops_saved_per_byte
+from sglang_marconi.policy.tree.hybrid_cache import CacheCounters
+from sglang_marconi.policy.rules.probation import ProbationRegistry, evict_oldest_probationary
+from sglang_marconi.policy.tree.shared_match import SharedMatch
+from sglang_marconi.policy.tree.small_candidates import SmallCandidateIndex
 
 
 _CHOOSE_LOWEST = {FlopAwareEviction.choose, LruLeafEviction.choose, SegLenEviction.choose}

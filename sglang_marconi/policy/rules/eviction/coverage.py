@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from sglang_marconi.policy.candidate_index import CandidateIndex
-from sglang_marconi.policy.eviction.base import EvictionPolicy
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex
+from sglang_marconi.policy.rules.eviction.base import EvictionPolicy
 
 
 class CoverageEviction(EvictionPolicy):

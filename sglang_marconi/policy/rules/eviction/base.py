@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from sglang_marconi.policy.candidate_index import CandidateIndex
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 
 
 class EvictionPolicy(ABC):

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from sglang_marconi.policy.sampling import session_in_sample
+from sglang_marconi.policy.tuning.sampling import session_in_sample
 
 LONG, SHORT = 0, 1  # the two windows of `Evidence`
 

@@ -26,7 +26,7 @@ reusable under eviction, so this model follows SGLang's own mechanics, call for 
   and under Mamba pressure the least recently used unlocked state on any node. Values: FLOPs saved
   back to the nearest ancestor that holds a state, has several children or is the root, per byte
   freed; SegLen: that replay length. `CandidateIndex.lowest` ranks them, as it does in the server.
-- Admission (`serving/admission.py`, the rules in `policy/branch_grid.py`): the branch state where
+- Admission (`serving/admission.py`, the rules in `policy/rules/branch_grid.py`): the branch state where
   two-pass prefill ends a chunk (no_buffer) or where extra_buffer snapshots it, the final state
   (extra_buffer: the last tracked one, the insert truncated there), and with probation the state at
   the end of the input, kept only in free room or room freed from other probationary states.
@@ -45,16 +45,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sglang_marconi.policy import branch_grid
-from sglang_marconi.policy.candidate_index import CandidateIndex
+from sglang_marconi.policy.rules import branch_grid
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
-from sglang_marconi.policy.probation import ProbationRegistry
-from sglang_marconi.policy.radix_tree import as_token_array
+from sglang_marconi.policy.rules.eviction.flop_aware import flops_saved_per_byte
+from sglang_marconi.policy.rules.probation import ProbationRegistry
+from sglang_marconi.policy.tree.radix_tree import as_token_array
 
 NO_BUFFER, EXTRA_BUFFER = "no_buffer", "extra_buffer"
 STRATEGIES = (NO_BUFFER, EXTRA_BUFFER)
-LRU = "lru"  # the shadow tuner's name for SGLang's LRU (policy/shadow_tuner.py)
+LRU = "lru"  # the shadow tuner's name for SGLang's LRU (policy/tuning/shadow_tuner.py)
 _STAMP_STEP = 0.00001  # a match stamps ancestors this much older, level by level (SGLang's)
 
 

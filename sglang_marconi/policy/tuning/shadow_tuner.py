@@ -2,7 +2,7 @@
 shadow cache per candidate choice, all kept running on the same sample of sessions.
 
 - Sampling (SHARDS-style): a session is in the sample when its hash falls below `sample_rate`
-  (`policy/sampling.py`); the shadows see only sampled sessions, at capacity x `sample_rate`.
+  (`policy/tuning/sampling.py`); the shadows see only sampled sessions, at capacity x `sample_rate`.
 - One shared shadow until the first eviction: before any eviction every candidate holds exactly
   the same tree, so a single cache stands for all of them; it keeps both recency conventions
   (SGLang's LRU refreshes the whole matched path, Marconi only the node hit). Just before its
@@ -42,7 +42,7 @@ shadow cache per candidate choice, all kept running on the same sample of sessio
   (the server at rate < 1) gets the sampled rule alone.
 
 Cost: every cache the tuner runs (shared shadow, shadows, miniatures, the verifier's) is a
-`ShadowCache` (`policy/shadow_cache.py`): `HybridPrefixCache`'s admission and eviction step for
+`ShadowCache` (`policy/tree/shadow_cache.py`): `HybridPrefixCache`'s admission and eviction step for
 step, on edges that reference the requests' own tokens; a request's tokens are compared with each
 earlier request once for all of them (`SharedMatch`). The guard's since-switch sums are kept for the
 two arms it compares only (`GuardSums`), and not at all while the safe choice is current.
@@ -63,19 +63,19 @@ from typing import Sequence
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction import (CoverageEviction, EvictionPolicy, FlopAwareEviction, LruLeafEviction,
+from sglang_marconi.policy.rules.eviction import (CoverageEviction, EvictionPolicy, FlopAwareEviction, LruLeafEviction,
                                             SegLenEviction)
-from sglang_marconi.policy.eviction.flop_aware import check_alpha
-from sglang_marconi.policy.evidence import LONG, SHORT, Evidence, GuardSums
-from sglang_marconi.policy.hybrid_cache import HybridPrefixCache
-from sglang_marconi.policy.radix_tree import as_token_array
-from sglang_marconi.policy.sampling import check_rate, session_in_sample
-from sglang_marconi.policy.served_cache import ServedCache, ServedPools
-from sglang_marconi.policy.shadow_cache import FlopsTable, ShadowCache, ShadowNode
-from sglang_marconi.policy.shared_match import SharedMatch
+from sglang_marconi.policy.rules.eviction.flop_aware import check_alpha
+from sglang_marconi.policy.tuning.evidence import LONG, SHORT, Evidence, GuardSums
+from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.tree.radix_tree import as_token_array
+from sglang_marconi.policy.tuning.sampling import check_rate, session_in_sample
+from sglang_marconi.policy.tree.served_cache import ServedCache, ServedPools
+from sglang_marconi.policy.tree.shadow_cache import FlopsTable, ShadowCache, ShadowNode
+from sglang_marconi.policy.tree.shared_match import SharedMatch
 
 LRU = "lru"  # the choice that stands for SGLang's LRU (leaves only, whole-path refresh)
-COVERAGE = "coverage"  # SGLang #38000's rule (`policy/eviction/coverage.py`): a fixed choice, never tuned
+COVERAGE = "coverage"  # SGLang #38000's rule (`policy/rules/eviction/coverage.py`): a fixed choice, never tuned
 SEGLEN = "seglen"  # "seglen:W": SegLen-style eviction with weight W (`eviction/seglen.py`)
 OBJECTIVES = ("flops", "token_hit_rate")
 Choice = float | str  # an alpha of FLOP-aware eviction, LRU, "seglen:W" or COVERAGE

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sglang_marconi.policy.candidate_index import CandidateIndex, utility_weights
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex, utility_weights
 
 SMALL = 32  # up to this many candidates the Python scores are cheaper than numpy's calls
 

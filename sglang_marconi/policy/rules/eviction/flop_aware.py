@@ -6,9 +6,9 @@ alpha = 0 is LRU over those candidates; `alpha` may be changed at any time (alph
 
 from __future__ import annotations
 
-from sglang_marconi.policy.candidate_index import CandidateIndex
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction.base import EvictionPolicy
+from sglang_marconi.policy.rules.eviction.base import EvictionPolicy
 
 
 def flops_saved_per_byte(flops: float, state_bytes: int, leaf_kv_bytes: int) -> float:

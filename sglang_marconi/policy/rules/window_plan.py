@@ -61,8 +61,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from sglang_marconi.policy.candidate_index import marconi_scores
-from sglang_marconi.policy.ranked_candidates import RankedCandidates
+from sglang_marconi.policy.tree.candidate_index import marconi_scores
+from sglang_marconi.policy.tree.ranked_candidates import RankedCandidates
 
 STALE, WINDOW, LEAF = "stale", "window", "leaf"
 _LEAF, _SINGLE, _BRANCH = 0, 1, 2

@@ -27,7 +27,7 @@ write_back` is the system modeled):
   over the host link, added to the modeled TTFT); the policy core counts the bytes.
 - Device eviction: the device's `EvictionPolicy` picks the victim among its candidates (device
   leaves, and single-child nodes whose state is on the device where the policy evicts those);
-  the `TierRules` (`policy/tier_rules.py`) decide from the node's facts what gets (or keeps) a host
+  the `TierRules` (`policy/rules/tier_rules.py`) decide from the node's facts what gets (or keeps) a host
   copy, and whether the host must rank it above what it would displace.
 - Host eviction: duplicates first (host copies of what is also on the device: freeing them loses
   nothing), the device's leaves last among them (SGLang's two passes); then the host's own
@@ -49,12 +49,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_marconi.policy.candidate_index import CandidateIndex
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction
-from sglang_marconi.policy.host_candidates import HostCandidateIndex
-from sglang_marconi.policy.radix_tree import Node, RadixTree, as_token_array
-from sglang_marconi.policy.tier_rules import Demotion, EvictionFacts, host_candidate_bytes
+from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction
+from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex
+from sglang_marconi.policy.tree.radix_tree import Node, RadixTree, as_token_array
+from sglang_marconi.policy.rules.tier_rules import Demotion, EvictionFacts, host_candidate_bytes
 
 
 class TieredNode(Node):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from sglang_marconi.policy.candidate_index import _TIE_BREAK, CandidateIndex
+from sglang_marconi.policy.tree.candidate_index import _TIE_BREAK, CandidateIndex
 
 
 class HostCandidateIndex(CandidateIndex):

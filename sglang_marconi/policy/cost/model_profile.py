@@ -27,8 +27,8 @@ from typing import ClassVar, Union
 
 import numpy as np
 
-from .errors import MarconiError, ProfileError
-from .hf_config import dtype_bytes, load_config, parse_config
+from sglang_marconi.policy.errors import MarconiError, ProfileError
+from sglang_marconi.policy.cost.hf_config import dtype_bytes, load_config, parse_config
 
 _PROFILE_DIR = Path(__file__).with_name("profiles")
 

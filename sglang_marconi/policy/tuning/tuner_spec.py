@@ -38,12 +38,12 @@ class TunerSpec:
 
     def build(self):
         if self.kind == "hybrid":
-            from sglang_marconi.policy.shadow_tuner import ShadowTuner
+            from sglang_marconi.policy.tuning.shadow_tuner import ShadowTuner
 
             return ShadowTuner(self.profile, self.capacity_bytes, self.config, **self.options)
         if self.kind == "window":
-            from sglang_marconi.policy.window_cache import MARCONI
-            from sglang_marconi.policy.window_tuner import WindowTuner
+            from sglang_marconi.policy.tree.window_cache import MARCONI
+            from sglang_marconi.policy.tuning.window_tuner import WindowTuner
 
             return WindowTuner(self.profile, self.capacity_bytes, self.options.get("rules", MARCONI), self.config,
                                self.options.get("swa_share"))

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_marconi.policy.candidate_index import minmax
+from sglang_marconi.policy.tree.candidate_index import minmax
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.radix_tree import Node, RadixTree, as_token_array
+from sglang_marconi.policy.tree.radix_tree import Node, RadixTree, as_token_array
 
 # Why a hit ended where it did. A tree node without full KV leaves the tree, so a token match is
 # always backed by full KV here: "missing global KV" shows up as a token mismatch.

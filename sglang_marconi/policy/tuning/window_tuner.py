@@ -20,9 +20,9 @@ import math
 
 import numpy as np
 
-from sglang_marconi.policy.sampling import session_in_sample
-from sglang_marconi.policy.shadow_tuner import LONG, SHORT, Evidence, ShadowConfig, TunerLog, choice_label
-from sglang_marconi.policy.window_cache import WindowPrefixCache, WindowRules
+from sglang_marconi.policy.tuning.sampling import session_in_sample
+from sglang_marconi.policy.tuning.shadow_tuner import LONG, SHORT, Evidence, ShadowConfig, TunerLog, choice_label
+from sglang_marconi.policy.tree.window_cache import WindowPrefixCache, WindowRules
 
 
 class WindowTuner:

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_marconi.policy.candidate_index import CandidateIndex
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.eviction import EvictionPolicy, FlopAwareEviction
-from sglang_marconi.policy.eviction.flop_aware import flops_saved_per_byte
-from sglang_marconi.policy.probation import ProbationRegistry, evict_oldest_probationary
-from sglang_marconi.policy.radix_tree import Node, RadixTree, Walk, as_token_array
+from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction
+from sglang_marconi.policy.rules.eviction.flop_aware import flops_saved_per_byte
+from sglang_marconi.policy.rules.probation import ProbationRegistry, evict_oldest_probationary
+from sglang_marconi.policy.tree.radix_tree import Node, RadixTree, Walk, as_token_array
 
 
 @dataclass(frozen=True, slots=True)

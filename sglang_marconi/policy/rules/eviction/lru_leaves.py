@@ -3,8 +3,8 @@ unlocked leaf; a hit refreshes every node on the matched path."""
 
 from __future__ import annotations
 
-from sglang_marconi.policy.candidate_index import CandidateIndex
-from sglang_marconi.policy.eviction.base import EvictionPolicy
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex
+from sglang_marconi.policy.rules.eviction.base import EvictionPolicy
 
 
 class LruLeafEviction(EvictionPolicy):

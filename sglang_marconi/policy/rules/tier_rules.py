@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_marconi.policy.eviction import FlopAwareEviction
-from sglang_marconi.policy.eviction.flop_aware import check_alpha
+from sglang_marconi.policy.rules.eviction import FlopAwareEviction
+from sglang_marconi.policy.rules.eviction.flop_aware import check_alpha
 
 
 @dataclass(frozen=True, slots=True)

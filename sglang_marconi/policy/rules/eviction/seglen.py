@@ -10,9 +10,9 @@ Candidates and refresh are Marconi's: nodes with at most one child, only the nod
 
 from __future__ import annotations
 
-from sglang_marconi.policy.candidate_index import CandidateIndex
-from sglang_marconi.policy.eviction.base import EvictionPolicy
-from sglang_marconi.policy.eviction.flop_aware import check_alpha
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex
+from sglang_marconi.policy.rules.eviction.base import EvictionPolicy
+from sglang_marconi.policy.rules.eviction.flop_aware import check_alpha
 
 
 class SegLenEviction(EvictionPolicy):

@@ -2,7 +2,7 @@
 Marconi's two-pass prefill and of extra_buffer snapshot steering, on plain integers.
 
 The served cache (`serving/admission.py`, `serving/two_pass_prefill.py`) calls these with a
-request's fields; the simulator's model of the served cache (`policy/served_cache.py`) calls them
+request's fields; the simulator's model of the served cache (`policy/tree/served_cache.py`) calls them
 with its own. One rule, written once. Engine-free.
 
 - no_buffer (`step` None): a state exists only at the end of an extend, so the chunk that would run

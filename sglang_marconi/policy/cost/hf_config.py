@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import ProfileError
+from sglang_marconi.policy.errors import ProfileError
 
 _DTYPE_BYTES = {
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,

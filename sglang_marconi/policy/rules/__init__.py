@@ -1,0 +1,3 @@
+"""The policy's rules, one module each: the eviction choices (`eviction/`), probation of input states,
+where a prefill can keep a branch state (`branch_grid`), the host tier's demotion rule (`tier_rules`),
+and the victim order under sliding-window pressure (`window_plan`)."""

@@ -1,0 +1,9 @@
+"""Eviction policies, one per module, all behind `EvictionPolicy`."""
+
+from sglang_marconi.policy.rules.eviction.base import EvictionPolicy
+from sglang_marconi.policy.rules.eviction.coverage import CoverageEviction
+from sglang_marconi.policy.rules.eviction.flop_aware import FlopAwareEviction
+from sglang_marconi.policy.rules.eviction.lru_leaves import LruLeafEviction
+from sglang_marconi.policy.rules.eviction.seglen import SegLenEviction
+
+__all__ = ["CoverageEviction", "EvictionPolicy", "FlopAwareEviction", "LruLeafEviction", "SegLenEviction"]

@@ -31,7 +31,8 @@ from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.cost.model_profile import load_profile
 from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, parse_alpha_grid, parse_seglen_weights
 from sglang_marconi.sim.baselines.belady import BELADY, BeladyBound
-from sglang_marconi.sim.cluster.cli import add_cluster_arguments, check_cluster_arguments, cluster_main
+from sglang_marconi.sim.cluster.cli import (add_cluster_arguments, check_cluster_arguments, format_cluster_table,
+                                            run_cluster)
 from sglang_marconi.sim.hindsight import BEST, replay_best
 from sglang_marconi.sim.kv_blocks.registry import build_block_cache, is_kv_policy
 from sglang_marconi.sim.kv_blocks.replay import replay_blocks
@@ -349,21 +350,22 @@ def format_block_table(runs: list[RunResult], width: int = 18) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if check_cluster_arguments(args):
-            return cluster_main(args)
-        runs = run(args)
+        cluster = check_cluster_arguments(args)
+        runs = run_cluster(args) if cluster else run(args)
     except MarconiError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     source = args.trace or args.workload or DEFAULT_WORKLOAD
-    print(f"workload {source}, model {args.model}, {runs[0].requests} requests, {runs[0].input_tokens:,} input tokens")
-    print(format_table(runs))
+    workers = f"{args.workers} workers, " if cluster else ""
+    print(f"workload {source}, model {args.model}, {workers}{runs[0].requests} requests, "
+          f"{runs[0].input_tokens:,} input tokens")
+    print(format_cluster_table(runs) if cluster else format_table(runs))
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps([r.to_json(args.with_requests) for r in runs], indent=1))
         print(f"wrote {path}")
-    if args.plot:
+    if args.plot and not cluster:
         from sglang_marconi.sim.plot import plot_runs
 
         print(f"wrote {plot_runs(runs, args.plot, title=f'{source} on {args.model}')}")

@@ -20,7 +20,7 @@ DEFAULT_ROUTERS = ",".join(ROUTER_NAMES)
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     defaults = CacheAwareConfig()
-    g = p.add_argument_group("cluster (issue 17)", "replay the trace over N workers behind a router")
+    g = p.add_argument_group("cluster", "replay the trace over N workers behind a router")
     g.add_argument("--workers", type=int, help="replay over N workers, each with --capacity (default: one server)")
     g.add_argument("--routers", default=None,
                    help=f"with --workers: comma list of {', '.join(ROUTER_NAMES)} (default: all)")
@@ -144,27 +144,3 @@ def format_cluster_table(runs: list[ClusterRun]) -> str:
     lines.append(f"* TTFT is MODELED on {gpu}: FIFO prefill queue per worker from the trace's arrival times "
                  f"(not measured).")
     return "\n".join(lines)
-
-
-def cluster_main(args: argparse.Namespace) -> int:
-    """The CLI's cluster path: table on stdout, `--json` (list of rows), one-line errors."""
-    import json
-    import sys
-    from pathlib import Path
-
-    try:
-        runs = run_cluster(args)
-    except MarconiError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    source = args.trace or args.workload or "synthetic:swe-agent"
-    first = runs[0]
-    print(f"workload {source}, model {args.model}, {args.workers} workers, {first.requests} requests, "
-          f"{first.input_tokens:,} input tokens")
-    print(format_cluster_table(runs))
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps([r.to_json(args.with_requests) for r in runs], indent=1))
-        print(f"wrote {path}")
-    return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sglang_marconi.plan.grid import Plan, POLICIES, STRATEGIES
+from sglang_marconi.sim.plot import save_figure
 
 
 def plot_plan(plan: Plan, path: str | Path, title: str = "") -> Path:
@@ -37,10 +38,4 @@ def plot_plan(plan: Plan, path: str | Path, title: str = "") -> Path:
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(title + " (TTFT MODELED from prefill FLOPs)", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title + " (TTFT MODELED from prefill FLOPs)", dpi=110)

@@ -39,10 +39,17 @@ def plot_runs(runs: list[RunResult], path: str | Path, title: str = "") -> Path:
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
+    return save_figure(fig, path, title, dpi=120)
+
+
+def save_figure(fig, path: str | Path, title: str, *, dpi: int) -> Path:
+    """Title `fig`, write it to `path` (its folder made if missing) and close it; returns the path."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

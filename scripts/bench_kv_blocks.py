@@ -10,7 +10,7 @@ Capacities are bytes of the model profile: a 512-token block holds 512 * kv_byte
 bytes of KV (33.6 MB on paper-7b), so C bytes hold floor(C / that) blocks. The hybrid policies
 spend the same bytes on KV and SSM states together. By default they replay the trace with
 `--mooncake-tokens blocks` (requests share exactly the full blocks the hash ids share, as the KV
-replay does); `conversation` rebuilds next turns instead (see README). Marconi tunes alpha online
+replay does); `conversation` rebuilds next turns instead (see docs/simulator.md). Marconi tunes alpha online
 with the CLI's automatic session sample rate.
 
 libcachesim (GPL-3.0-or-later, test-only) is imported here only; without it its rows are

@@ -188,7 +188,7 @@ def test_bad_arguments_are_refused_in_one_line(capsys):
 
 
 def wait_until_open(clusters: list[ScriptCluster], timeout_s: float) -> None:
-    """Wait for each cluster the way the README says (until its --port accepts a connection), and
+    """Wait for each cluster the way docs/serving.md says (until its --port accepts a connection), and
     the moment it does send it one generation (`first_reply`). Polled every 0.1 s, all clusters at
     once: smg, had it --port, would take it about 3 s before its workers register."""
     deadline = time.monotonic() + timeout_s

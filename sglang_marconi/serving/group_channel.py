@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 
+from sglang_marconi.serving.hook_registration import register_once
 from sglang_marconi.serving.lockstep import Directive
 
 log = logging.getLogger("sglang_marconi")
@@ -65,15 +66,6 @@ def before_process_input_requests(scheduler, recv_reqs, *args, **kwargs):
     return (scheduler, kept, *args), kwargs
 
 
-_registered = False
-
-
 def register_hooks() -> None:
-    global _registered
-    if _registered:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(POLL_TARGET, after_poll_timeout_aborts, HookType.AFTER)
-    HookRegistry.register(PROCESS_TARGET, before_process_input_requests, HookType.BEFORE)
-    _registered = True
+    register_once(__name__, ((POLL_TARGET, after_poll_timeout_aborts, "after"),
+                             (PROCESS_TARGET, before_process_input_requests, "before")))

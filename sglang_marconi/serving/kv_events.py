@@ -39,6 +39,8 @@ from typing import Optional
 
 import msgspec
 
+from sglang_marconi.serving.hook_registration import register_once
+
 log = logging.getLogger("sglang_marconi")
 
 SCHEMA_VERSION = 1
@@ -226,18 +228,8 @@ def _dp_rank() -> int:
     return select_kv_publisher_dp_rank(parallel.attn_dp_size, parallel.attn_dp_rank, parallel.dp_rank)
 
 
-_installed = False
-
-
 def install_hooks() -> None:
     """Register and apply both hooks (idempotent; in the scheduler process that builds a Marconi
-    cache, before its publisher runs). SGLang's HookRegistry patches only targets not yet patched."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(PUBLISH_TARGET, publish_state_events, HookType.AFTER)
-    HookRegistry.register(STATE_TARGET, add_kv_events_state, HookType.AFTER)
-    HookRegistry.apply_hooks()
-    _installed = True
+    cache, before its publisher runs)."""
+    register_once(__name__, ((PUBLISH_TARGET, publish_state_events, "after"),
+                             (STATE_TARGET, add_kv_events_state, "after")), apply=True)

@@ -26,6 +26,8 @@ import math
 import time
 from typing import Callable, Optional
 
+from sglang_marconi.serving.hook_registration import register_once
+
 log = logging.getLogger("sglang_marconi")
 PUBLISH_INTERVAL_S = 1.0
 
@@ -224,19 +226,10 @@ def _marconi_figures(runtime, cache) -> dict:
                 "marconi_figures_error": f"{type(exc).__name__}: {exc}"}
 
 
-_hooks_registered = False
-
-
 def register_hooks() -> None:
     """The `/server_info` readback, and the idle path (`idle_hook.py`: the tuner's partial batch,
     gauges published while idle)."""
-    global _hooks_registered
-    if _hooks_registered:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     from sglang_marconi.serving.idle_hook import ON_IDLE_TARGET, before_on_idle
 
-    HookRegistry.register(INTERNAL_STATE_TARGET, add_marconi_state, HookType.AFTER)
-    HookRegistry.register(ON_IDLE_TARGET, before_on_idle, HookType.BEFORE)
-    _hooks_registered = True
+    register_once(__name__, ((INTERNAL_STATE_TARGET, add_marconi_state, "after"),
+                             (ON_IDLE_TARGET, before_on_idle, "before")))

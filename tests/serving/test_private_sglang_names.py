@@ -218,11 +218,12 @@ def test_every_method_we_override_is_listed_and_takes_every_call_sglang_makes():
     assert not problems, "\n".join(problems)
 
 
-def registered_hooks(monkeypatch):
-    """Every (target, hook, hook type) our plugin registers, recorded by a stand-in HookRegistry."""
+def registered_hooks(monkeypatch, times: int = 1):
+    """Every (target, hook, hook type) our plugin registers when asked `times` times, recorded by a
+    stand-in HookRegistry."""
     from sglang.srt.plugins import hook_registry
 
-    from sglang_marconi.serving import group_channel, kv_events, metrics, plugin, two_pass_prefill
+    from sglang_marconi.serving import hook_registration, kv_events, plugin, two_pass_prefill
 
     class Recording:
         _hooks, _patched, registered = {}, set(), []
@@ -230,19 +231,26 @@ def registered_hooks(monkeypatch):
         @classmethod
         def register(cls, target, hook, hook_type=hook_registry.HookType.AFTER, **kwargs):
             cls.registered.append((target, hook, hook_type))
+            cls._hooks.setdefault(target, []).append((hook_type, hook, None))
 
         @classmethod
         def apply_hooks(cls):
             pass
 
     monkeypatch.setattr(hook_registry, "HookRegistry", Recording)
-    monkeypatch.setattr(group_channel, "_registered", False)
-    monkeypatch.setattr(metrics, "_hooks_registered", False)
-    monkeypatch.setattr(kv_events, "_installed", False)
+    monkeypatch.setattr(hook_registration, "_registered", set())
     monkeypatch.setattr(two_pass_prefill, "_originals", {})
-    plugin.register()
-    kv_events.install_hooks()  # registered where a Marconi cache class is built
+    for _ in range(times):
+        plugin.register()
+        kv_events.install_hooks()  # registered where a Marconi cache class is built
     return Recording.registered
+
+
+def test_asked_twice_the_plugin_registers_each_hook_once(monkeypatch):
+    # (a hook registered twice runs twice: directives applied twice, figures added twice)
+    once = registered_hooks(monkeypatch)
+    twice = registered_hooks(monkeypatch, times=2)
+    assert len(once) == 9 and twice == once
 
 
 def test_every_hook_we_register_is_listed_takes_sglangs_calls_and_its_kwargs_keys_are_listed(monkeypatch):

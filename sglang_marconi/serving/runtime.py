@@ -353,9 +353,6 @@ class MarconiRuntime:
             ("marconi" if flop_rule else self.settings.kind),
             "marconi_choice": self.settings.label,
             "marconi_shadow_scores": tuner.scores() if tuner is not None else {},
-            "marconi_tuner_requests_fed": tuner.fed if tuner is not None else 0,
-            "marconi_tuner_requests_dropped": tuner.dropped if tuner is not None else 0,
-            "marconi_tuner_requests_observed": tuner.observed if tuner is not None else 0,
             "marconi_ssm_states_cached": _states_in_tree(cache),
             "marconi_ssm_states_admitted": admission.final_states_admitted + admission.branch_states_admitted,
             "marconi_checkpoint_grid": self.checkpoint_grid,
@@ -369,16 +366,8 @@ class MarconiRuntime:
             "marconi_branch_tokens_lost_to_grid": admission.grid_lost_tokens,
             "marconi_blocked_hit_tokens": f.blocked_tokens,
             "marconi_requests": f.requests,
-            "marconi_tuning_failures": int(self.tuning_failed is not None or self.faults.stopped(TUNING)
-                                           or (tuner is not None and tuner.failed is not None)),
-            "marconi_choice_switches": len(self.adoptions),
-            **self.ranks,
-            "marconi_sync_points": self.released // self.sync_every,
-            "marconi_sync_waits_late": self.sync_waits_late,
-            "marconi_sync_wait_seconds": self.sync_wait_s_total,
-            "marconi_directives_applied": self.directives_applied,
+            **self.tuning_figures(),
             "marconi_directives_sent": self._sent,  # the leader's; a directive is lost if they part
-            **self.faults.figures(),
             "marconi_two_pass_splits": two_pass.splits + two_pass.continuation_splits,
             "marconi_two_pass_skipped": two_pass.skipped_other_chunked + two_pass.skipped_unaligned,
             "marconi_two_pass_deferred": two_pass.deferred_second_chunked,
@@ -395,6 +384,24 @@ class MarconiRuntime:
             "marconi_host_states_evicted": counters.states_evicted_host,
             "marconi_host_states_loaded_back": counters.states_loaded_back,
             "marconi_host_kv_tokens_loaded_back": counters.kv_tokens_loaded_back,
+        }
+
+    def tuning_figures(self) -> dict:
+        """The tuner's, the sync points' and the fault figures: one set for SSM and SWA runtimes."""
+        tuner = self.tuner
+        return {
+            "marconi_tuner_requests_fed": tuner.fed if tuner is not None else 0,
+            "marconi_tuner_requests_dropped": tuner.dropped if tuner is not None else 0,
+            "marconi_tuner_requests_observed": tuner.observed if tuner is not None else 0,
+            "marconi_tuning_failures": int(self.tuning_failed is not None or self.faults.stopped(TUNING)
+                                           or (tuner is not None and tuner.failed is not None)),
+            "marconi_choice_switches": len(self.adoptions),
+            **self.ranks,
+            "marconi_sync_points": self.released // self.sync_every,
+            "marconi_sync_waits_late": self.sync_waits_late,
+            "marconi_sync_wait_seconds": self.sync_wait_s_total,
+            "marconi_directives_applied": self.directives_applied,
+            **self.faults.figures(),
         }
 
     def close(self) -> None:

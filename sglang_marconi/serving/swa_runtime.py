@@ -69,18 +69,7 @@ class SWARuntime(MarconiRuntime):
             "marconi_evictions_window": f.evictions_window,
             "marconi_evictions_leaf": f.evictions_leaf,
             "marconi_evictions_fallback": f.evictions_fallback,
-            "marconi_tuner_requests_fed": tuner.fed if tuner is not None else 0,
-            "marconi_tuner_requests_dropped": tuner.dropped if tuner is not None else 0,
-            "marconi_tuner_requests_observed": tuner.observed if tuner is not None else 0,
-            "marconi_tuning_failures": int(self.tuning_failed is not None or self.faults.stopped("tuning")
-                                           or (tuner is not None and tuner.failed is not None)),
-            "marconi_choice_switches": len(self.adoptions),
-            **self.ranks,
-            "marconi_sync_points": self.released // self.sync_every,
-            "marconi_sync_waits_late": self.sync_waits_late,
-            "marconi_sync_wait_seconds": self.sync_wait_s_total,
-            "marconi_directives_applied": self.directives_applied,
-            **self.faults.figures(),
+            **self.tuning_figures(),
         }
 
 

@@ -296,13 +296,17 @@ def marconi_swa_component_class():
 
         # Hooks run on every tree mutation: each records into the plan (a dict insert; no-ops
         # while the plan is unbound), under the fault guard.
-        def _marconi_leaf(self, node) -> None:
+        def _marconi_tell(self, event: str, *nodes) -> None:
+            """`plan.<event>(*nodes)` when there is a plan, under the fault guard."""
             plan = self.marconi_plan
             if plan is not None:
                 try:
-                    plan.touched(node)
+                    getattr(plan, event)(*nodes)
                 except Exception as exc:
                     self._marconi_fault(exc)
+
+        def _marconi_leaf(self, node) -> None:
+            self._marconi_tell("touched", node)
 
         def _marconi_touch_segment(self, node, lock_uuid, by_window: bool) -> None:
             # The nodes a lock's acquire (by_window: the window's worth) or release (up to the node
@@ -326,12 +330,8 @@ def marconi_swa_component_class():
 
         # -- hooks -----------------------------------------------------------------------------
         def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
-            plan = self.marconi_plan
-            if is_new_leaf and plan is not None:  # before SGLang may split the new leaf: its parent grew
-                try:
-                    plan.added(node)
-                except Exception as exc:
-                    self._marconi_fault(exc)
+            if is_new_leaf:  # before SGLang may split the new leaf: its parent grew
+                self._marconi_tell("added", node)
             super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
             self._marconi_stamp_window(node)  # the window this insert keeps at its end
 
@@ -376,21 +376,11 @@ def marconi_swa_component_class():
                     new_parent._marconi_window_time = child._marconi_window_time
             except Exception as exc:
                 self._marconi_unrecoverable("node split (recency)", exc)
-            plan = self.marconi_plan
-            if plan is not None:
-                try:
-                    plan.split(new_parent, child)
-                except Exception as exc:
-                    self._marconi_fault(exc)
+            self._marconi_tell("split", new_parent, child)
 
         def discard_deleted_session_leaf(self, node) -> None:
             super().discard_deleted_session_leaf(node)
-            plan = self.marconi_plan
-            if plan is not None:
-                try:
-                    plan.removed(node)
-                except Exception as exc:
-                    self._marconi_fault(exc)
+            self._marconi_tell("removed", node)
 
         def evict_component(self, node, *args, **kwargs):
             freed = super().evict_component(node, *args, **kwargs)

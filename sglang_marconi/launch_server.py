@@ -1,8 +1,8 @@
 """`python -m sglang_marconi.launch_server`: SGLang's launcher with the Marconi cache.
 
-Every SGLang flag works as before. Marconi's own flags (`--marconi-*`, see `--help`) are taken
-out, checked, and handed to the scheduler processes; for hybrid models the `marconi` radix-cache
-backend is selected unless `--radix-cache-backend` says otherwise.
+Every SGLang flag works as in SGLang's own launcher. Marconi's own flags (`--marconi-*`, see
+`--help`) are taken out, checked, and handed to the scheduler processes; for hybrid models the
+`marconi` radix-cache backend is selected unless `--radix-cache-backend` says otherwise.
 
 SGLang's other flags are forwarded untouched. Those with which Marconi cannot act
 (`--enable-hierarchical-cache`, `--enable-session-radix-cache`, `--enable-lmcache`,

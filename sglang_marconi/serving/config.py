@@ -38,7 +38,7 @@ class MarconiServingConfig:
     tune_timeout_s: float = 60.0  # a tuner that leaves a request it was handed unread this long is given up
     tune_sync_every: int = 32  # releases between sync points (where the leader's tuner decides)
     tune_sync_wait_s: float = 0.05  # the most a scheduler waits for the tuner at a sync point
-    bootstrap_multiplier: float = 5.0  # no longer used (no bootstrap windows); kept so old flags still parse
+    bootstrap_multiplier: float = 5.0  # checked, no effect: tuning has no bootstrap windows (the flag still parses)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -139,7 +139,8 @@ def add_marconi_args(parser: argparse.ArgumentParser) -> None:
                         "taken at a later sync point)")
     g.add_argument("--marconi-tune-stall-timeout", default=f"{MarconiServingConfig.tune_timeout_s:g}",
                    help="seconds the tuner may leave a request unread before tuning stops (idle time never counts)")
-    g.add_argument("--marconi-bootstrap-multiplier", default="5", help="ignored (no bootstrap windows any more)")
+    g.add_argument("--marconi-bootstrap-multiplier", default="5",
+                   help="checked, no effect (tuning has no bootstrap windows)")
 
 
 def _on_off(flag: str, text: str) -> bool:

@@ -18,12 +18,12 @@ its source reads (`unified_radix_cache.py`, `unified_cache/unified_tree_core.py`
   `MambaComponent._evict_device_next_node`): backed up first (`InternalStateBackup` ->
   `backup_node_for_write_back`, KV and state) only if the node's KV has no host copy and is on
   the device; otherwise the state is tombstoned with no copy. A failed backup tombstones it too.
-- So the issue's "internal-node Mamba states are dropped on write-back" is, in 0.5.23, true
-  exactly where the node's KV already has a host copy: after a load back (host copies stay), or
-  on a branch node split off such a node, which is where Marconi's admission puts its most shared
-  state. The comment in `finalize_match_result_in_tree_core` says as much ("incremental
-  persistence of a new branching state is currently write-through only; write-back eviction may
-  discard the device-only state"). SGLang #40680 (open) proposes backing those up too.
+- So "internal-node Mamba states are dropped on write-back" is, in 0.5.23, true exactly where
+  the node's KV already has a host copy: after a load back (host copies stay), or on a branch
+  node split off such a node, which is where Marconi's admission puts its most shared state.
+  The comment in `finalize_match_result_in_tree_core` says as much ("incremental persistence of
+  a new branching state is currently write-through only; write-back eviction may discard the
+  device-only state"). SGLang #40680 (open) proposes backing those up too.
 
 `MarconiTiering`: keep on the host what is worth its bytes there. A leaf that holds a state (or
 whose KV the host-resident nodes below it need) is demoted with its state, and a state evicted

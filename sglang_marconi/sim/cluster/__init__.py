@@ -1,1 +1,1 @@
-"""Cluster-scale simulation: a trace replayed over N workers behind a router (issue 17)."""
+"""Cluster-scale simulation: a trace replayed over N workers behind a router."""

@@ -17,7 +17,7 @@ Marconi's tree (states only at branch points and request ends) a leaf covers 1, 
 state the tokens down to the next state, so a chain is thinned from its deep end and the shallow
 states a fork needs outlive it, as the PR reports (a fork at 8,192 tokens that LRU missed hits).
 Where our reading may differ from the PR's code: we rank all of Marconi's candidates, not an LRU-tail
-window, and a hit refreshes only the node hit (SGLang's Mamba component since #31648).
+window, and a hit refreshes only the node hit (as SGLang 0.5.23's Mamba component does).
 
 Served version, per node: its edge length, whether it holds a state, and U(n), kept
 incrementally: adding, removing, splitting or merging an edge, or adding or dropping a state,

@@ -129,7 +129,7 @@ def traces(quick: bool):
                  lambda: list(generate("lmsys", sessions=chat, scale=0.25))),
         "mooncake": (f"Mooncake conversation trace, first {moon:,} requests, 64 tokens per 512-token block, "
                      "turns rebuilt", 64 / MOONCAKE_BLOCK, lambda: mooncake_requests(moon, 64)),
-        # Stress case, not one of the issue's traces: only full blocks are shared (see MooncakeTokenizer).
+        # Stress case, outside TARGET_TRACES: only full blocks are shared (see MooncakeTokenizer).
         "mooncake-blocks": (f"Mooncake conversation trace, first {moon:,} requests, 64 tokens per 512-token "
                             "block, literal blocks only", 64 / MOONCAKE_BLOCK,
                             lambda: mooncake_requests(moon, 64, "blocks")),
@@ -230,16 +230,28 @@ class Cell:
         return (float(np.median(x)), float(np.percentile(x, 99)), len(x)) if len(x) else (math.nan, math.nan, 0)
 
 
-def _timed(fn, record):
+def _timed(fn, record, clock=time.perf_counter_ns):
     """`fn`, calling `record(nanoseconds)` after each call."""
     def timed(*args, **kwargs):
-        t0 = time.perf_counter_ns()
+        t0 = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            record(time.perf_counter_ns() - t0)
+            record(clock() - t0)
 
     return timed
+
+
+class _TimeInside:
+    """The thread CPU time spent inside `owner.name` (wrapped) since `ns` was last set to 0: the
+    part of a step that is not the policy's, subtracted from it."""
+
+    def __init__(self, owner, name: str):
+        self.ns = 0
+        setattr(owner, name, _timed(getattr(owner, name), self._add, clock=time.thread_time_ns))
+
+    def _add(self, ns: int) -> None:
+        self.ns += ns
 
 
 class Probe:
@@ -567,40 +579,43 @@ def targets(results) -> str:
     return "\n".join(out)
 
 
-def gain_targets(results) -> str:
-    """marconi-auto >= upstream (the better core) + 3 points wherever upstream is below 90%."""
-    misses, checked = [], 0
+def cells_by_pools(results, only_targets: bool = True):
+    """(trace name, KV size, Mamba size, {config: cell}) for each pool-size cell of each trace
+    (of TARGET_TRACES only, with `only_targets`)."""
     for name, (_, _, cells_of) in results.items():
-        if name not in TARGET_TRACES:
+        if only_targets and name not in TARGET_TRACES:
             continue
         by = {}
         for c in cells_of:
             by.setdefault((c.kv_size, c.mamba_size), {})[c.config] = c
         for (kv, mamba), row in by.items():
-            up = max(row[k].hit_rate for k in ("lru-py", "lru-rust") if k in row)
-            auto = row.get("marconi-auto")
-            if auto is None or up >= GAIN_BELOW:
-                continue
-            checked += 1
-            if auto.hit_rate < up + GAIN_POINTS:
-                misses.append(f"{name} {kv:,}/{mamba:,}: auto {100 * auto.hit_rate:.2f}% vs upstream {100 * up:.2f}%")
+            yield name, kv, mamba, row
+
+
+def gain_targets(results) -> str:
+    """marconi-auto >= upstream (the better core) + 3 points wherever upstream is below 90%."""
+    misses, checked = [], 0
+    for name, kv, mamba, row in cells_by_pools(results):
+        up = max(row[k].hit_rate for k in ("lru-py", "lru-rust") if k in row)
+        auto = row.get("marconi-auto")
+        if auto is None or up >= GAIN_BELOW:
+            continue
+        checked += 1
+        if auto.hit_rate < up + GAIN_POINTS:
+            misses.append(f"{name} {kv:,}/{mamba:,}: auto {100 * auto.hit_rate:.2f}% vs upstream {100 * up:.2f}%")
     out = [f"- marconi-auto >= upstream + {100 * GAIN_POINTS:g} points where upstream < {100 * GAIN_BELOW:g}%: "
            f"{checked - len(misses)} of {checked} cells"]
     out += [f"  - missed: {m}" for m in misses]
     # SGLang PR #38000's rule, served (`--marconi-eviction coverage`), with Marconi's admission
     behind, compared = [], 0
-    for name, (_, _, cells_of) in results.items():
-        by = {}
-        for c in cells_of:
-            by.setdefault((c.kv_size, c.mamba_size), {})[c.config] = c
-        for (kv, mamba), row in by.items():
-            auto, coverage = row.get("marconi-auto"), row.get("marconi-coverage")
-            if auto is None or coverage is None:
-                continue
-            compared += 1
-            if auto.hit_rate < coverage.hit_rate - COVERAGE_SLACK:
-                behind.append(f"{name} {kv:,}/{mamba:,}: auto {100 * auto.hit_rate:.2f}% vs coverage "
-                              f"{100 * coverage.hit_rate:.2f}%")
+    for name, kv, mamba, row in cells_by_pools(results, only_targets=False):
+        auto, coverage = row.get("marconi-auto"), row.get("marconi-coverage")
+        if auto is None or coverage is None:
+            continue
+        compared += 1
+        if auto.hit_rate < coverage.hit_rate - COVERAGE_SLACK:
+            behind.append(f"{name} {kv:,}/{mamba:,}: auto {100 * auto.hit_rate:.2f}% vs coverage "
+                          f"{100 * coverage.hit_rate:.2f}%")
     out.append(f"- marconi-auto >= marconi-coverage - {100 * COVERAGE_SLACK:g} points: {compared - len(behind)} of "
                f"{compared} cells")
     return "\n".join(out + [f"  - missed: {m}" for m in behind])
@@ -616,32 +631,26 @@ def auto_targets(results) -> str:
     (match + checkpoint + release + evict) <= lru-rust's, for every Marconi config."""
     quality, runtime, per_request = [], [], []
     n_auto = n_tuned = n_ours = 0
-    for name, (_, _, cells_of) in results.items():
-        if name not in TARGET_TRACES:
-            continue
-        by = {}
-        for c in cells_of:
-            by.setdefault((c.kv_size, c.mamba_size), {})[c.config] = c
-        for (kv, mamba), row in by.items():
-            where = f"{name} {kv:,}/{mamba:,}"
-            auto = row.get("marconi-auto")
-            if auto is not None:
-                n_auto += 1
-                best = max((row[k] for k in ("lru-py", "marconi-a0", "marconi-a1") if k in row), key=lambda c: c.hit_rate)
-                if auto.hit_rate < best.hit_rate - AUTO_SLACK:
-                    quality.append(f"{where}: auto {100 * auto.hit_rate:.2f}% < {best.config} "
-                                   f"{100 * best.hit_rate:.2f}% - 1 (choices {' > '.join(auto.choices) or '-'})")
-            for c in row.values():
-                if c.config in ("marconi-auto", "marconi-evict"):
-                    n_tuned += 1
-                    med = c.runtime_stat()[0]
-                    if not med < RUNTIME_MEDIAN_US:
-                        runtime.append(f"{where} {c.config}: {med:.1f} µs")
-                if c.config.startswith("marconi") and "lru-rust" in row:
-                    n_ours += 1
-                    mine, theirs = tree_us_per_request(c), tree_us_per_request(row["lru-rust"])
-                    if mine > theirs:
-                        per_request.append(f"{where} {c.config}: {mine:.0f} vs {theirs:.0f} µs ({mine / theirs:.2f}x)")
+    for name, kv, mamba, row in cells_by_pools(results):
+        where = f"{name} {kv:,}/{mamba:,}"
+        auto = row.get("marconi-auto")
+        if auto is not None:
+            n_auto += 1
+            best = max((row[k] for k in ("lru-py", "marconi-a0", "marconi-a1") if k in row), key=lambda c: c.hit_rate)
+            if auto.hit_rate < best.hit_rate - AUTO_SLACK:
+                quality.append(f"{where}: auto {100 * auto.hit_rate:.2f}% < {best.config} "
+                               f"{100 * best.hit_rate:.2f}% - 1 (choices {' > '.join(auto.choices) or '-'})")
+        for c in row.values():
+            if c.config in ("marconi-auto", "marconi-evict"):
+                n_tuned += 1
+                med = c.runtime_stat()[0]
+                if not med < RUNTIME_MEDIAN_US:
+                    runtime.append(f"{where} {c.config}: {med:.1f} µs")
+            if c.config.startswith("marconi") and "lru-rust" in row:
+                n_ours += 1
+                mine, theirs = tree_us_per_request(c), tree_us_per_request(row["lru-rust"])
+                if mine > theirs:
+                    per_request.append(f"{where} {c.config}: {mine:.0f} vs {theirs:.0f} µs ({mine / theirs:.2f}x)")
     out = [f"- marconi-auto >= best of lru-py, marconi-a0, marconi-a1 - 1 point: {n_auto - len(quality)} of {n_auto} cells"]
     out += [f"  - missed: {m}" for m in quality]
     out.append(f"- runtime on the scheduler thread < {RUNTIME_MEDIAN_US:g} µs per request (median, tuned configs): "
@@ -673,7 +682,7 @@ class SWAStepCell:
     requests: int = 0
     insert_us: float = 0.0  # thread CPU µs per insert while growing the tree (Marconi: with its upkeep)
     first_ms: float = 0.0  # the first eviction
-    whole_tree_ms: float = math.nan  # Marconi: the from-scratch plan on this tree (what each step cost before)
+    whole_tree_ms: float = math.nan  # Marconi: the from-scratch plan on this tree (a step without incremental upkeep)
     step_ns: list = field(default_factory=list)
     kinds: list = field(default_factory=list)  # Marconi: the victim kind of each step
     visited: list = field(default_factory=list)  # Marconi: tree nodes the plan read per step
@@ -703,17 +712,7 @@ def swa_step_cell(config: str, tree: str, nodes: int, steps: int, window: int, s
     cell.requests = sglang_swa_cpu.grow_tree(cc, nodes, requests)
     cell.insert_us = (time.thread_time_ns() - t0) / 1e3 / cell.requests
     cell.nodes = len(cc.tree_core._node_arena) - 1
-    drained = [0]
-    drain = cc.cache._drain_device_frees
-
-    def timed_drain(frees):
-        t = time.thread_time_ns()
-        try:
-            return drain(frees)
-        finally:
-            drained[0] += time.thread_time_ns() - t
-
-    cc.cache._drain_device_frees = timed_drain
+    drained = _TimeInside(cc.cache, "_drain_device_frees")
     t0 = time.thread_time_ns()
     cc.evict_swa(1)
     cell.first_ms = (time.thread_time_ns() - t0) / 1e6
@@ -724,15 +723,15 @@ def swa_step_cell(config: str, tree: str, nodes: int, steps: int, window: int, s
     for _ in range(steps):
         before = dict(vars(figures)) if figures is not None else None
         visited = cc.plan.visited if cc.plan is not None else 0
-        drained[0] = 0
+        drained.ns = 0
         t = time.thread_time_ns()
         cc.evict_swa(1)
-        cell.step_ns.append(time.thread_time_ns() - t - drained[0])
+        cell.step_ns.append(time.thread_time_ns() - t - drained.ns)
         if figures is not None:
             cell.kinds.append(next((k.removeprefix("evictions_") for k, v in vars(figures).items()
                                     if k.startswith("evictions_") and v != before[k]), "none"))
             cell.visited.append(cc.plan.visited - visited)
-    if config == "marconi":  # the reference every step used to rebuild
+    if config == "marconi":  # for reference: the victims computed from the whole tree at once
         from sglang_marconi.serving.swa_component import plan_victims
 
         t0 = time.thread_time_ns()
@@ -755,7 +754,7 @@ def swa_step_table(cells: list, window: int, steps: int) -> str:
         "| tree | nodes | inserts | upstream µs / step (p99) | marconi µs / step (p99) | marconi vs upstream "
         "| marconi by victim: stale / window / leaf / fallback µs (steps) | plan nodes read / step: median (max) "
         "| first eviction ms: upstream / marconi | insert µs (incl. pool ops): upstream / marconi "
-        "| whole-tree plan ms (each step, before) |",
+        "| whole-tree plan ms (a step without incremental upkeep) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by = {}
@@ -803,7 +802,7 @@ class HostStepCell:
     grow_s: float = 0.0
     device_ns: list = field(default_factory=list)
     host_ns: list = field(default_factory=list)
-    whole_tree_ms: float = math.nan  # Marconi: the host candidates from scratch (what each step walked before)
+    whole_tree_ms: float = math.nan  # Marconi: the host candidates from scratch (a step without incremental upkeep)
 
     def stat(self, which):
         x = np.asarray(self.device_ns if which == "device" else self.host_ns, dtype=float) / 1e3
@@ -864,26 +863,16 @@ def host_step_cell(config: str, nodes: int, steps: int, seed: int, requests: int
     cell.nodes = len(arena) - 1
     cell.host_only = sum(1 for n in arena.values() if n.parent is not None
                          and n.component_data[FULL].value is None and n.component_data[FULL].host_value is not None)
-    applied = [0]
-    apply = cc.cache._apply_eviction_result
-
-    def timed_apply(result):
-        t = time.thread_time_ns()
-        try:
-            return apply(result)
-        finally:
-            applied[0] += time.thread_time_ns() - t
-
-    cc.cache._apply_eviction_result = timed_apply
+    applied = _TimeInside(cc.cache, "_apply_eviction_result")
     gc.collect()
     for record, step in ((cell.device_ns, lambda: cc.cache.evict(EvictParams(num_tokens=1))),
                          (cell.host_ns, lambda: cc.cache.evict_host(1, FULL))):
         for _ in range(steps):
-            applied[0] = 0
+            applied.ns = 0
             t = time.thread_time_ns()
             step()
             cc.cache.check_hicache_events()
-            record.append(time.thread_time_ns() - t - applied[0])
+            record.append(time.thread_time_ns() - t - applied.ns)
     if tier is not None:
         assert cc.cache.marconi.faults.fallen_back is None, cc.cache.marconi.faults.fallen_back
         t0 = time.thread_time_ns()
@@ -900,7 +889,7 @@ def host_step_table(cells: list, steps: int) -> str:
         "| nodes: upstream / marconi | host-only nodes: upstream / marconi | requests "
         "| device eviction, host full: upstream µs (p99) | marconi µs (p99) "
         "| marconi vs upstream | host eviction: upstream µs (p99) | marconi µs (p99) | marconi vs upstream "
-        "| whole-tree host candidates ms (each step, before) |",
+        "| whole-tree host candidates ms (a step without incremental upkeep) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     by, up = {}, None

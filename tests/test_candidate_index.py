@@ -1,5 +1,6 @@
-"""CandidateIndex: its fast ranking equals the reference formula (`marconi_scores`), slots stay
-dense under adds and removals, and exact ties go to the smallest tie key whatever the slots."""
+"""CandidateIndex: its ranking is the score rule's (`policy/rules/score.py`, checked here against
+the rule written out by hand), slots stay dense under adds and removals, and exact ties go to the
+smallest tie key whatever the slots."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_marconi.policy.tree.candidate_index import CandidateIndex, lowest_across, marconi_scores, utility_weights
+from sglang_marconi.policy.rules import score
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex, lowest_across
 from sglang_marconi.policy.rules.eviction.coverage import lowest_coverage
 from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex
 from sglang_marconi.policy.tree.small_candidates import SmallCandidateIndex
@@ -23,8 +25,9 @@ def test_lowest_is_a_minimum_of_the_reference_scores(rows, alpha):
     for i, (t, e) in enumerate(rows):
         index.add(i, t, e)
     t, e = np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
-    scores = marconi_scores(t, e, alpha)
-    assert scores[index.lowest(alpha)] <= scores.min() + 1e-9
+    scores = score.scores(t, e, alpha)
+    assert scores[index.lowest(alpha)] == scores.min()
+    assert np.array_equal(index.scores(alpha), scores)
 
 
 def test_remove_moves_the_last_entry_into_the_hole():
@@ -80,11 +83,13 @@ def index_of(rows, order, decoys=(), cls=CandidateIndex, **kwargs):
 
 
 def scores_by_hand(rows, alpha):
-    """Each score computed on its own, as `utility_weights` defines it (alpha 0: the recency)."""
+    """Each score computed on its own, as the rule states it (`policy/rules/score.py`'s docstring;
+    alpha 0: the recency)."""
     t, e = [r[0] for r in rows], [r[1] for r in rows]
     if not alpha:
         return t
-    w_t, w_e = utility_weights(min(t), max(t), min(e), max(e), alpha)
+    w_t = (1.0 + 1e-12) / (max(t) - min(t)) if max(t) > min(t) else 0.0
+    w_e = alpha / (max(e) - min(e)) if max(e) > min(e) else 0.0
     return [w_t * (x - min(t)) + w_e * (y - min(e)) for x, y in zip(t, e)]
 
 
@@ -207,4 +212,5 @@ def test_a_subnormal_span_divides_and_still_ties_by_key():
     for cls in (CandidateIndex, SmallCandidateIndex):
         for order in ([0, 1, 2, 3], [3, 2, 1, 0]):
             index = index_of(rows, order, cls=cls)
-            assert index.lowest(1.0).id == 0  # (1 + 0) == (0 + 1): the smaller id
+            # (1 + 1e-12) + 0 > 0 + 1: the older (ids 1 and 2), then the smaller id
+            assert index.lowest(1.0).id == 1

@@ -1,5 +1,5 @@
 """`RankedCandidates` (policy/tree/ranked_candidates.py) names the candidate a from-scratch
-`marconi_scores` over the whole set puts first, exact ties to the lowest tie id, after any
+`score.scores` (policy/rules/score.py) over the whole set puts first, exact ties to the lowest tie id, after any
 sequence of additions, removals, recency moves and in-place changes, at any block size."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_marconi.policy.tree.candidate_index import marconi_scores
+from sglang_marconi.policy.rules import score
 from sglang_marconi.policy.tree.ranked_candidates import RankedCandidates
 
 
 def reference_lowest(entries: dict, alpha: float):
     keys = list(entries)
-    scores = marconi_scores(np.array([entries[k][0] for k in keys], float),
-                            np.array([entries[k][1] for k in keys], float), alpha)
+    scores = score.scores(np.array([entries[k][0] for k in keys], float),
+                          np.array([entries[k][1] for k in keys], float), alpha)
     return keys[min(range(len(keys)), key=lambda i: (scores[i], entries[keys[i]][2]))]
 
 

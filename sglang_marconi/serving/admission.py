@@ -119,10 +119,10 @@ def admission_mixin():
             if not self._marconi_active():
                 return result  # upstream's branch (floored to its checkpoint grid)
             try:
-                page = self.cache.page_size
-                exact = result.full_kv_hit_length // page * page
-                boundary = result.device_prefix_len + result.host_hit_length
-                return result._replace(mamba_branching_seqlen=exact if exact > boundary else None)
+                branch = branch_grid.branch_position(result.full_kv_hit_length,
+                                                     result.device_prefix_len + result.host_hit_length,
+                                                     self.cache.page_size)
+                return result._replace(mamba_branching_seqlen=branch)
             except Exception as exc:
                 self._unrecoverable("admission (branch position at match)", exc)
                 return result

@@ -28,8 +28,9 @@ come back are the bytes that went out. Counters: `EvictionCounters.states_demote
 The host candidates (`HostCandidates`), kept incrementally. Two `HostCandidateIndex`es, one
 per host pool (candidates freeing KV tokens; candidates freeing SSM states), each entry: recency
 (`last_access_time`), value = prefill FLOPs from the node's compressed-tree anchor to its end
-(`host_candidates.anchor_end`: the nearest ancestor that is the root, holds a state on either
-tier or has several children) per host byte freed, 0 without a host state; host bytes and pool
+(`policy/rules/value.py`'s `anchor_end`: the nearest ancestor that is the root, holds a state on
+either tier or has several children) per host byte freed (`value.flops_saved_per_byte`), 0
+without a host state; host bytes and pool
 units freed. Ties go to the smaller SGLang node id (`tie_key`). `candidate_entry` is the
 definition, node by node; `HostCandidates.check` compares every entry with it over the whole
 tree (tests).
@@ -79,11 +80,12 @@ import functools
 import operator
 from typing import Optional
 
-from sglang_marconi.policy.tree.candidate_index import keep
-from sglang_marconi.policy.rules.eviction.flop_aware import flops_saved_per_byte
-from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex, anchor_end, ranked_below_across
+from sglang_marconi.policy.rules import value as value_rule
 from sglang_marconi.policy.rules.tier_rules import Demotion, EvictionFacts, MarconiTiering, host_candidate_bytes
+from sglang_marconi.policy.tree.candidate_index import keep
+from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex, ranked_below_across
 from sglang_marconi.serving.faults import MarconiGroupFault
+from sglang_marconi.serving.tree_index import node_end
 
 KV_POOL, STATE_POOL = 0, 1  # host candidate indexes: what a candidate frees
 _MAX_PENDING = 1 << 12
@@ -134,26 +136,6 @@ class _Facts:
             or getattr(node, "write_through_pending_id", None) is not None
         )
         self.tokens = len(node.key)
-
-
-def _end(node) -> int:
-    """Tokens from the root to the end of `node`'s edge, cached on the nodes (`_marconi_end`, as
-    the device index caches it: an edge's end never moves)."""
-    end = getattr(node, "_marconi_end", None)
-    if end is not None:
-        return end
-    chain = []
-    while end is None:
-        if node.parent is None:  # the root
-            end = 0
-            break
-        chain.append(node)
-        node = node.parent
-        end = getattr(node, "_marconi_end", None)
-    for n in reversed(chain):
-        end += len(n.key)
-        n._marconi_end = end
-    return end
 
 
 # SGLang methods after which a node's host facts may have changed: (owner, name, argument that
@@ -468,14 +450,14 @@ class ServedHostTier:
         without a state."""
         if not has_state or not freed_bytes:
             return 0.0
-        start = anchor_end(node, self.cache.tree_core.root_node, self._has_state, _end)
-        end = _end(node)
+        start = value_rule.anchor_end(node, self.cache.tree_core.root_node, self._has_state, node_end)
+        end = node_end(node)
         flops = self._flops.get((start, end))
         if flops is None:
             if len(self._flops) >= _FLOPS_MEMO_SIZE:
                 self._flops.clear()
             flops = self._flops[start, end] = self.profile.prefill_flops(start, end)
-        return flops_saved_per_byte(flops, freed_bytes, 0)
+        return value_rule.flops_saved_per_byte(flops, freed_bytes)
 
     # -- host candidates: the definition -----------------------------------------------------------
     def candidate_entry(self, node):

@@ -14,12 +14,14 @@ Recency under KV pressure is SGLang's `node.last_access_time` (a match stamps th
 path); under Mamba pressure it is when the node's state was last committed or reused by a match
 (`state_time`), so only the node hit is refreshed, as in the paper.
 
-FLOPs saved per byte, on the paper's *compressed* tree: end(n) = tokens from the root to the end
-of n's edge; anchor(n) = the nearest ancestor that is the root, holds a state or has several
-children (SGLang keeps stateless single-child nodes the paper would have merged into their child,
-such as split points whose branch is gone and tombstoned states; they count as part of the
-child's edge); value = prefill_flops(anchor_end, end) / bytes freed, bytes freed = the state's
-bytes, plus for a leaf the KV of its compressed edge. A node without a state saves nothing.
+The rules are the policy core's, called here over SGLang's nodes: which nodes are candidates
+(`policy/rules/candidates.py`), their value (`policy/rules/value.py`: FLOPs saved per byte, on the
+paper's *compressed* tree: end(n) = tokens from the root to the end of n's edge; anchor(n) = the
+nearest ancestor that is the root, holds a state or has several children, since SGLang keeps
+stateless single-child nodes the paper would have merged into their child, such as split points
+whose branch is gone and tombstoned states; value = prefill_flops(anchor_end, end) / bytes freed,
+bytes freed = the state's bytes, plus for a leaf the KV of its compressed edge; a node without a
+state saves nothing) and the score that ranks them (`policy/rules/score.py`).
 
 Upkeep (O(1) per hook; the components call these): `touched` (recency, lock or leaf-set
 membership may have changed), `changed` (state, children or existence may have changed: also
@@ -45,9 +47,10 @@ from __future__ import annotations
 import operator
 from typing import Any, Optional
 
-from sglang_marconi.policy.tree.candidate_index import CandidateIndex, keep, lowest_across
+from sglang_marconi.policy.rules import candidates
+from sglang_marconi.policy.rules import value as value_rule
 from sglang_marconi.policy.rules.eviction.coverage import coverage_value, lowest_coverage
-from sglang_marconi.policy.rules.eviction.flop_aware import flops_saved_per_byte
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex, keep, lowest_across
 from sglang_marconi.serving.leaf_watch import watch_leaves
 
 KV, MAMBA = 0, 1  # index positions: KV pressure, Mamba pressure
@@ -58,6 +61,21 @@ _node_id = operator.attrgetter("id")
 
 def _edge_length(node) -> int:
     return len(node.key)
+
+
+def _known_end(node):
+    end = getattr(node, "_marconi_end", None)
+    return 0 if end is None and node.parent is None else end  # the root: 0
+
+
+def _remember_end(node, end: int) -> None:
+    node._marconi_end = end
+
+
+def node_end(node) -> int:
+    """Tokens from the root to the end of a live node's edge, cached on the nodes
+    (`_marconi_end`: an edge's end never moves while the node lives)."""
+    return value_rule.end_position(node, _known_end, _remember_end)
 
 
 def state_time(node) -> float:
@@ -136,6 +154,7 @@ class MarconiTreeIndex:
         self._has_mamba = self._mamba_type in tree_core.components_by_type
         self._kv_bytes = int(self.profile.kv_bytes_per_token)
         self._state_bytes = int(self.profile.ssm_state_bytes) if self._has_mamba else 0
+        self._is_anchor = self._has_state if self._has_mamba else None
         self.root._marconi_end = 0
         self.rebuild()
 
@@ -178,30 +197,8 @@ class MarconiTreeIndex:
         """A stateless single-child node: the paper's tree would have merged it into its child."""
         return node is not self.root and len(node.children) == 1 and not self._has_state(node)
 
-    def _end(self, node) -> int:
-        end = getattr(node, "_marconi_end", None)
-        if end is not None:
-            return end
-        chain = []
-        while end is None:
-            chain.append(node)
-            node = node.parent
-            end = getattr(node, "_marconi_end", None)
-        for n in reversed(chain):
-            end += len(n.key)
-            n._marconi_end = end
-        return end
-
     def _anchor_end(self, node) -> int:
-        parent, root = node.parent, self.root
-        if self._has_mamba:  # skip stateless single-child ancestors (`_skippable`, inlined)
-            mamba = self._mamba_type
-            while parent is not root and len(parent.children) == 1 and parent.component_data[mamba].value is None:
-                parent = parent.parent
-        else:
-            while parent is not root and len(parent.children) == 1:
-                parent = parent.parent
-        return self._end(parent)
+        return value_rule.anchor_end(node, self.root, self._is_anchor, node_end)
 
     def evaluate(self, node) -> tuple[Optional[float], Optional[float]]:
         """`node`'s value as a candidate of (KV pressure, Mamba pressure), None where it is not a
@@ -212,7 +209,7 @@ class MarconiTreeIndex:
             data = node.component_data[self._mamba_type]
             if data.value is None:  # no state: nothing can hit here, it only frees KV
                 return (0.0 if leaf else None), None
-            mamba_cand = data.lock_ref == 0 and (leaf or len(node.children) == 1)
+            mamba_cand = candidates.state_candidate(data.lock_ref, leaf, len(node.children))
             if not (leaf or mamba_cand):
                 return None, None
             state_bytes = self._state_bytes
@@ -223,7 +220,7 @@ class MarconiTreeIndex:
         if self.value_kind == "coverage":
             value = coverage_value(node, self._has_state, _edge_length)
             return (0.0 if leaf else None), (value if mamba_cand else None)
-        end = self._end(node)
+        end = node_end(node)
         start = self._anchor_end(node)
         if self.value_kind == "seglen":
             return (float(end - start) if leaf else None), (float(end - start) if mamba_cand else None)
@@ -233,9 +230,9 @@ class MarconiTreeIndex:
                 self._flops.clear()
             flops = self._flops[start, end] = self.profile.prefill_flops(start, end)
         if leaf:
-            eff = flops_saved_per_byte(flops, state_bytes, self._kv_bytes * (end - start))
+            eff = value_rule.flops_saved_per_byte(flops, state_bytes, self._kv_bytes * (end - start))
             return eff, (eff if mamba_cand else None)
-        return None, flops_saved_per_byte(flops, state_bytes, 0)
+        return None, value_rule.flops_saved_per_byte(flops, state_bytes, 0)
 
     # -- upkeep ----------------------------------------------------------------------------------
     def _alive(self, node) -> bool:
@@ -302,18 +299,10 @@ class MarconiTreeIndex:
     def choose(self, pressure: int, weight: float, counters=None):
         """The lowest-utility candidate for `pressure` (KV or MAMBA) with the rule's weight, or None."""
         self.flush()
-        index, slots = self.indexes[pressure], self._slots[pressure]
-        by_coverage = pressure == MAMBA and self.value_kind == "coverage"
-        repaired = None
-        while len(index):
-            node = lowest_coverage(index) if by_coverage else index.lowest(weight)
-            if node is repaired or self._current(pressure, node):
-                return node
-            if counters is not None:
-                counters.stale_repairs += 1
-            self._refresh(node)
-            repaired = node
-        return None
+        index = self.indexes[pressure]
+        if pressure == MAMBA and self.value_kind == "coverage":
+            return self._settled(lambda: (pressure, lowest_coverage(index)) if len(index) else None, counters)
+        return self._settled(lambda: (pressure, index.lowest(weight)) if len(index) else None, counters)
 
     def choose_across(self, weight: float, counters=None):
         """One byte budget: the lowest-utility candidate of either kind, a KV leaf (deleted whole)
@@ -321,9 +310,14 @@ class MarconiTreeIndex:
         (`lowest_across`). A leaf holding a state sits in both indexes with the same value and
         counts at the older of its two recencies."""
         self.flush()
+        return self._settled(lambda: lowest_across(self.indexes, weight), counters)
+
+    def _settled(self, find, counters):
+        """The node `find()` names ((pressure, node) or None), once its entry is current: a stale
+        one is refreshed and the choice made again (a node refreshed once is taken as it is)."""
         repaired = None
         while True:
-            found = lowest_across(self.indexes, weight)
+            found = find()
             if found is None:
                 return None
             pressure, node = found
@@ -344,7 +338,7 @@ class MarconiTreeIndex:
         if pressure == KV:
             return leaf
         data = node.component_data[self._mamba_type]
-        return data.value is not None and data.lock_ref == 0 and (leaf or len(node.children) == 1)
+        return data.value is not None and candidates.state_candidate(data.lock_ref, leaf, len(node.children))
 
     def check(self) -> None:
         """Flush, then assert both indexes equal a from-scratch evaluation of the whole tree."""

@@ -56,3 +56,12 @@ def admits_branch_state(branch: int | None, position: int | None, checkpoint_end
     if step is not None:
         return position == branch or branch - checkpoint_end < step
     return position == (branch if cut is None else cut)
+
+
+def branch_position(full_kv_match: int, resumed_at: int, page: int = 1) -> int | None:
+    """A request's branch point, set at match time: where its input leaves the cached tree (the
+    full-KV match, floored to the page grid), if that lies past the position the request resumes
+    from (`resumed_at`: the state it hit, plus what a host load back brings); else None (no state
+    to keep there)."""
+    exact = full_kv_match // page * page
+    return exact if exact > resumed_at else None

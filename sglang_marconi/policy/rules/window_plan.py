@@ -10,16 +10,17 @@ The rule. Reuse points are leaves (the last token of a branch) and nodes with se
 before its end. One eviction step frees the first of:
 1. stale SWA KV: a live node in no reuse point's window (no hit can read it), oldest first
    (recency, then id); only single-child nodes can be stale;
-2. the candidate with the lowest `norm(recency) + alpha * norm(FLOPs saved / bytes freed)`
-   (`marconi_scores`, min-max over all candidates; ties to the lowest tie id), where
+2. the candidate with the lowest score (`policy/rules/score.py`: norm(recency) + alpha x
+   norm(value), min-max over all candidates; exact ties to the lowest tie id), where
    - a leaf is a candidate if the engine may delete it (`evictable_leaf`) and its SWA KV is live:
      it goes whole (full KV and SWA KV), so a leaf's last window is never tombstoned while the
      leaf stays; bytes = (KV + SWA KV) of its edge; tie id: the leaf's;
    - a branch point's window is a candidate if some of its nodes are freeable: live, in no other
      branch point's window and in no leaf's window; it loses the SWA KV of those nodes; bytes =
      their SWA KV; tie id: the deepest of them;
-   - FLOPs saved = prefill FLOPs from the nearest branch point above (or the root) to the node's
-     end; recency = the reuse point's own recency;
+   - value = FLOPs saved per byte freed (`policy/rules/value.py`), FLOPs saved = prefill FLOPs
+     from the node's anchor (`value.anchor_end`: the nearest branch point above, or the root) to
+     its end; recency = the reuse point's own recency;
 3. nothing: the engine's own step (its LRU) is the last resort.
 "Live" means SWA KV resident and unlocked.
 
@@ -61,7 +62,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from sglang_marconi.policy.tree.candidate_index import marconi_scores
+from sglang_marconi.policy.rules import score
+from sglang_marconi.policy.rules import value as value_rule
 from sglang_marconi.policy.tree.ranked_candidates import RankedCandidates
 
 STALE, WINDOW, LEAF = "stale", "window", "leaf"
@@ -86,19 +88,20 @@ class WindowView(Protocol):
 
 
 def leaf_efficiency(profile, anchor_end: int, end: int, tokens: int, flops: float | None = None) -> float:
-    """FLOPs saved per byte freed by deleting a leaf of `tokens` tokens ending at `end`."""
-    freed = (profile.kv_bytes_per_token + profile.swa_kv_bytes_per_token) * tokens
+    """FLOPs saved per byte freed by deleting a leaf of `tokens` tokens ending at `end` (its SWA KV
+    and its full KV)."""
     if flops is None:
         flops = profile.prefill_flops(anchor_end, end)
-    return flops / max(freed, 1)
+    return value_rule.flops_saved_per_byte(flops, profile.swa_kv_bytes_per_token * tokens,
+                                      profile.kv_bytes_per_token * tokens)
 
 
 def window_efficiency(profile, anchor_end: int, end: int, tokens: int, flops: float | None = None) -> float:
-    """FLOPs saved per byte freed by tombstoning `tokens` tokens of a branch point's window."""
-    freed = profile.swa_kv_bytes_per_token * tokens
+    """FLOPs saved per byte freed by tombstoning `tokens` tokens of a branch point's window (their
+    SWA KV; the full KV stays)."""
     if flops is None:
         flops = profile.prefill_flops(anchor_end, end)
-    return flops / max(freed, 1)
+    return value_rule.flops_saved_per_byte(flops, profile.swa_kv_bytes_per_token * tokens)
 
 
 def _kind(node) -> int:
@@ -142,10 +145,7 @@ def reference_candidates(root, window: int, view: WindowView, profile):
     stale.sort(key=lambda n: (view.recency(n), n.id))
 
     def anchor_end(n):  # the nearest reuse point above n (a branch point), or the root
-        p = n.parent
-        while p is not root and len(p.children) < 2:
-            p = p.parent
-        return ends[p.id]
+        return value_rule.anchor_end(n, root, None, lambda p: ends[p.id])
 
     candidates = []
     for b in branches:
@@ -166,8 +166,8 @@ def reference_plan(root, window: int, view: WindowView, profile, alpha: float) -
     stale, candidates = reference_candidates(root, window, view, profile)
     plan = [(STALE, [n]) for n in stale]
     if candidates:
-        scores = marconi_scores(np.asarray([c[3] for c in candidates], float),
-                                np.asarray([c[4] for c in candidates], float), alpha)
+        scores = score.scores(np.asarray([c[3] for c in candidates], float),
+                              np.asarray([c[4] for c in candidates], float), alpha)
         order = sorted(range(len(candidates)), key=lambda i: (scores[i], candidates[i][2][0].id))
         plan += [(candidates[i][0], candidates[i][2]) for i in order]
     return plan
@@ -496,26 +496,22 @@ class WindowPlan:
         return self.window
 
     def _end(self, node) -> int:
-        end = self._ends.get(node.id)
-        if end is not None:
-            return end
-        chain = []
-        while end is None:
-            chain.append(node)
-            node = node.parent
-            end = self._ends.get(node.id)
-        for n in reversed(chain):
-            self.visited += 1
-            end += len(n.key)
-            self._ends[n.id] = end
-        return end
+        return value_rule.end_position(node, self._known_end, self._remember_end)
+
+    def _known_end(self, node):
+        return self._ends.get(node.id)
+
+    def _remember_end(self, node, end: int) -> None:
+        self.visited += 1
+        self._ends[node.id] = end
 
     def _anchor_end(self, node) -> int:
-        p, root = node.parent, self.root
-        while p is not root and len(p.children) < 2:
-            self.visited += 1
-            p = p.parent
-        return self._end(p)
+        return value_rule.anchor_end(node, self.root, self._skipped, self._end)
+
+    def _skipped(self, node) -> bool:
+        """No node is an anchor but for its children (`value.anchor_end`); each one asked is walked past."""
+        self.visited += 1
+        return False
 
     def _prefill(self, start: int, end: int) -> float:
         flops = self._flops.get((start, end))

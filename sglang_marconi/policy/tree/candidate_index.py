@@ -5,72 +5,28 @@ candidates, so every eviction needs the extremes of both columns; keeping them d
 float arrays makes that one vectorized pass instead of a walk over the tree. Removal swaps the
 last entry into the hole so the arrays stay dense.
 
-Every choice is a function of the candidates' values and tie keys alone, never of their slots:
+The score and its one tie-break are `policy/rules/score.py`'s (called, never copied): every
+choice is a function of the candidates' values and tie keys alone, never of their slots, since
 the ranks of a TP / PP group hold the same candidates in different slots (one that rebuilt its
-index after a fault fills them in another order), and must still pick the same victim.
-- Scores are computed element by element (`(t - lo_t) * w_t + (e - lo_e) * w_e`, each operation
-  rounded on its own), so a candidate's score does not depend on where it sits; a BLAS dot may
-  fuse or reorder operations differently in its vector body and its tail.
-- Among candidates with exactly the lowest score, the smallest tie key wins: `tie_key(item)`, an
-  int or a tuple of ints that every rank computes identically (a node's id: SGLang numbers its
-  nodes in creation order, which the request stream fixes). Without `tie_key`, an item's `id`
-  attribute is its key (every node class here has one), and an item without one is keyed by the
-  order in which it was added (deterministic for one history of adds, not across a rebuild).
+index after a fault fills them in another order) and must still pick the same victim. A
+candidate's tie key is `tie_key(item)`, an int or a tuple of ints that every rank computes
+identically (a node's id: SGLang numbers its nodes in creation order, which the request stream
+fixes). Without `tie_key`, an item's `id` attribute is its key (every node class here has one),
+and an item without one is keyed by the order in which it was added (deterministic for one
+history of adds, not across a rebuild).
 """
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
+from sglang_marconi.policy.rules import score
+from sglang_marconi.policy.rules.score import minmax  # noqa: F401 (window_cache's import)
+
 TieKey = Union[int, tuple]
-
-
-def marconi_scores(last_access: np.ndarray, efficiency: np.ndarray, alpha: float) -> np.ndarray:
-    """S = norm(recency) + alpha * norm(flop_efficiency), each min-max normalized to [0, 1].
-
-    A column whose values are all equal normalizes to 0 (it cannot rank anything)."""
-    scores = minmax(last_access)
-    if alpha:
-        scores += alpha * minmax(efficiency)
-    return scores
-
-
-def minmax(values: np.ndarray) -> np.ndarray:
-    """Min-max normalized to [0, 1]; all equal: zeros."""
-    lo = values.min()
-    span = values.max() - lo
-    if span <= 0:
-        return np.zeros(len(values))
-    return (values - lo) / span
-
-
-_TIE_BREAK = 1e-12
-
-
-def utility_weights(lo_t: float, hi_t: float, lo_e: float, hi_e: float, alpha: float):
-    """(w_t, w_e) with norm(t) + alpha * norm(e) = w_t (t - lo_t) + w_e (e - lo_e); 0 for a column
-    whose span is 0. Exact ties (common: with alpha = 1 the oldest, most efficient candidate and
-    the newest, least efficient one both score 1) go to the older candidate: recency's weight is
-    raised by a relative 1e-12, far below any real score difference. None where a span is
-    subnormal (a weight overflows): divide instead, as the reference does."""
-    w_t = (1.0 + _TIE_BREAK) / (hi_t - lo_t) if hi_t > lo_t else 0.0
-    w_e = alpha / (hi_e - lo_e) if hi_e > lo_e else 0.0
-    if math.isinf(w_t) or math.isinf(w_e):
-        return None
-    return w_t, w_e
-
-
-def weighted_scores(columns: np.ndarray, lo, weights) -> np.ndarray:
-    """Each candidate's utility under `weights` (`utility_weights`) from its two columns (rows of
-    `columns`), element by element: exactly the Python expression `w_t * (t - lo_t) + w_e * (e - lo_e)`,
-    each operation rounded on its own."""
-    terms = columns - np.asarray(lo)[:, None]
-    terms *= np.asarray(weights)[:, None]
-    return terms[0] + terms[1]
 
 
 class CandidateIndex:
@@ -186,34 +142,25 @@ class CandidateIndex:
     def tie_key_at(self, slot: int) -> tuple:
         return tuple(self._keys[:, slot].tolist())
 
-    def _first_of_equals(self, values: np.ndarray, slot: int) -> int:
-        """`slot` holds the minimum of `values`: among the slots holding exactly that value, the one
-        with the smallest tie key (a count of equals; the keys are read only on a tie)."""
-        equal = values == values[slot]
-        if np.count_nonzero(equal) == 1:
-            return slot
-        return self.least_key(np.flatnonzero(equal))
-
-    def scores(self, alpha: float) -> np.ndarray:
-        """Every candidate's utility as `lowest` ranks them, by slot (alpha = 0: its recency, a view:
-        read only)."""
+    def scale(self, alpha: float) -> score.Scale:
+        """The score's scale over the current candidates (`score.scale`)."""
         n = len(self.items)
         columns = self._columns[:, :n]
         if not alpha:
-            return columns[0]
-        lo = columns.min(axis=1)
-        (lo_t, lo_e), (hi_t, hi_e) = lo.tolist(), columns.max(axis=1).tolist()
-        weights = utility_weights(lo_t, hi_t, lo_e, hi_e, alpha)
-        if weights is None:
-            return marconi_scores(columns[0], columns[1], alpha)
-        return weighted_scores(columns, lo, weights)
+            return score.LRU_SCALE
+        (lo_t, lo_e), (hi_t, hi_e) = columns.min(axis=1).tolist(), columns.max(axis=1).tolist()
+        return score.scale(lo_t, hi_t, lo_e, hi_e, alpha)
+
+    def scores(self, alpha: float) -> np.ndarray:
+        """Every candidate's score (`score.utility`), by slot (alpha = 0: its recency, a view:
+        read only)."""
+        columns = self._columns[:, :len(self.items)]
+        return score.utility(columns[0], columns[1], self.scale(alpha))
 
     def lowest(self, alpha: float) -> Any:
-        """The candidate with the lowest Marconi utility (alpha = 0 is LRU): the same ranking as
-        `marconi_scores` (`utility_weights`: exact ties to the older candidate), the remaining
-        exact ties to the smallest tie key. (This runs once per evicted node: a few numpy calls.)"""
-        scores = self.scores(alpha)
-        return self.items[self._first_of_equals(scores, int(scores.argmin()))]
+        """The candidate with the lowest score (alpha = 0 is LRU), exact ties to the smallest tie
+        key (`score.lowest_slot`). (This runs once per evicted node: a few numpy calls.)"""
+        return self.items[score.lowest_slot(self.scores(alpha), self.least_key)]
 
 
 def keep(index: CandidateIndex, slots: dict, item: Any, row: Optional[tuple]) -> None:
@@ -234,39 +181,25 @@ def keep(index: CandidateIndex, slots: dict, item: Any, row: Optional[tuple]) ->
 
 
 def lowest_across(indexes, alpha: float):
-    """The lowest-utility candidate over several indexes, each column min-max normalized over
+    """The lowest-scoring candidate over several indexes, each column min-max normalized over
     their union (the cross-kind byte-budget choice: KV leaves and SSM states in one ranking).
     Reads each index's extremes and scores in place, never concatenating them. Returns
-    `(position of the index, item)`, or None when all are empty; exact ties go to the older
-    candidate, as in `CandidateIndex.lowest`, then to the smallest tie key, then (one item in
-    two indexes) to the earlier index."""
+    `(position of the index, item)`, or None when all are empty; exact ties go to the smallest
+    tie key (`score.lowest_slot` within an index, then across them), then (one item in two
+    indexes) to the earlier index."""
     live = [(i, index._columns[:, :len(index)]) for i, index in enumerate(indexes) if len(index)]
     if not live:
         return None
+    scale = score.LRU_SCALE
     if alpha:
-        lo_t = min(float(cols[0].min()) for _, cols in live)
-        hi_t = max(float(cols[0].max()) for _, cols in live)
-        lo_e = min(float(cols[1].min()) for _, cols in live)
-        hi_e = max(float(cols[1].max()) for _, cols in live)
-        weights = utility_weights(lo_t, hi_t, lo_e, hi_e, alpha)
-
-    def scores_of(cols):
-        if not alpha:
-            return cols[0]
-        if weights is not None:
-            return weighted_scores(cols, (lo_t, lo_e), weights)
-        scores = (cols[0] - lo_t) / (hi_t - lo_t) if hi_t > lo_t else np.zeros(cols.shape[1])
-        return scores + alpha * (cols[1] - lo_e) / (hi_e - lo_e) if hi_e > lo_e else scores
-
+        scale = score.scale(min(float(cols[0].min()) for _, cols in live), max(float(cols[0].max()) for _, cols in live),
+                            min(float(cols[1].min()) for _, cols in live), max(float(cols[1].max()) for _, cols in live),
+                            alpha)
     best = None  # (score, tie key, index position, slot)
     for i, cols in live:
-        scores = scores_of(cols)
-        j = int(scores.argmin())
-        score = float(scores[j])
-        if best is not None and score > best[0]:
-            continue
-        j = indexes[i]._first_of_equals(scores, j)
-        candidate = (score, indexes[i].tie_key_at(j), i, j)
+        scores = score.utility(cols[0], cols[1], scale)
+        j = score.lowest_slot(scores, indexes[i].least_key)
+        candidate = (float(scores[j]), indexes[i].tie_key_at(j), i, j)
         if best is None or candidate[:2] < best[:2]:
             best = candidate
     return best[2], indexes[best[2]].items[best[3]]

@@ -5,11 +5,7 @@ units of one host pool it frees (`units`: KV tokens or SSM states, per index). T
 demotion (Marconi's) ask, before evicting anything, whether the host can make room for an
 incoming node by evicting only candidates that rank below it: a vectorized sum over the
 candidates, instead of a trial eviction that may displace content and then drop the incoming
-node anyway.
-
-Also the compressed-tree anchor every Marconi value counts its FLOPs from (`anchor_end`).
-
-Engine-free: nodes are duck-typed (`.parent`, `.children`, `.key`).
+node anyway. Scores are `policy/rules/score.py`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +14,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from sglang_marconi.policy.tree.candidate_index import _TIE_BREAK, CandidateIndex
+from sglang_marconi.policy.rules import score
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 
 
 class HostCandidateIndex(CandidateIndex):
@@ -76,30 +73,16 @@ class HostCandidateIndex(CandidateIndex):
 
 
 def ranked_below_across(indexes, alpha: float, last_access: float, efficiency: float) -> list[np.ndarray]:
-    """Per index, which candidates rank strictly below an incoming node, both columns min-max
-    normalized over the union of the indexes and the incoming node (a candidate listed in two
-    indexes counts once in the extremes, as it would in one). One vectorized pass per index."""
+    """Per index, which candidates score strictly below an incoming node (`policy/rules/score.py`),
+    both columns min-max normalized over the union of the indexes and the incoming node (a
+    candidate listed in two indexes counts once in the extremes, as it would in one). One
+    vectorized pass per index."""
     live = [index._columns[:, :len(index)] for index in indexes]
-    ts = [float(c[0].min()) for c in live if c.shape[1]] + [last_access]
-    tt = [float(c[0].max()) for c in live if c.shape[1]] + [last_access]
-    lo_t, hi_t = min(ts), max(tt)
-    w_t = (1.0 + _TIE_BREAK) / (hi_t - lo_t) if hi_t > lo_t else 0.0
-    w_e = lo_e = 0.0
+    scale = score.LRU_SCALE
     if alpha:
-        es = [float(c[1].min()) for c in live if c.shape[1]] + [efficiency]
-        ee = [float(c[1].max()) for c in live if c.shape[1]] + [efficiency]
-        lo_e, hi_e = min(es), max(ee)
-        w_e = alpha / (hi_e - lo_e) if hi_e > lo_e else 0.0
-    incoming = (last_access - lo_t) * w_t + (efficiency - lo_e) * w_e
-    return [(c[0] - lo_t) * w_t + (c[1] - lo_e) * w_e < incoming for c in live]
-
-
-def anchor_end(node, root, is_anchor: Callable[[Any], bool], end_of: Callable[[Any], int]) -> int:
-    """The end (tokens from the root) of `node`'s anchor on the paper's compressed tree: the
-    nearest ancestor that is the root, has several children or `is_anchor` (holds a state). The
-    stateless single-child nodes skipped belong to `node`'s compressed edge: a hit at `node`
-    saves the prefill from the anchor's end to `node`'s."""
-    parent = node.parent
-    while parent is not root and len(parent.children) == 1 and not is_anchor(parent):
-        parent = parent.parent
-    return end_of(parent)
+        t = [float(c[0].min()) for c in live if c.shape[1]] + [float(c[0].max()) for c in live if c.shape[1]]
+        e = [float(c[1].min()) for c in live if c.shape[1]] + [float(c[1].max()) for c in live if c.shape[1]]
+        scale = score.scale(min(t + [last_access]), max(t + [last_access]),
+                            min(e + [efficiency]), max(e + [efficiency]), alpha)
+    incoming = score.utility(last_access, efficiency, scale)
+    return [score.utility(c[0], c[1], scale) < incoming for c in live]

@@ -1,10 +1,10 @@
 """Marconi's lowest-utility candidate in a changing set, without scoring every candidate per choice.
 
-Contract: `lowest(alpha)` returns the key of the candidate with the lowest
-`marconi_scores(recency, efficiency, alpha)` over the whole set, exact ties to the lowest tie id:
-the candidate a from-scratch `marconi_scores` over all of them, sorted by (score, tie id), puts
-first. Each candidate's score is computed with the same floating-point operations as there, so
-the choice is the same bit for bit, not merely close.
+Contract: `lowest(alpha)` returns the key of the candidate with the lowest score
+(`policy/rules/score.py`, normalized over the whole set), exact ties to the lowest tie id: the
+candidate a from-scratch `score.scores` over all of them, sorted by (score, tie id), puts first.
+Each candidate's score is `score.utility` under the set's `score.scale`, the same floating-point
+operations as there, so the choice is the same bit for bit, not merely close.
 
 How: candidates live in the slots of dense arrays, grouped in blocks of `block` slots; each block
 keeps the extremes of both columns over its slots, and the min-max normalization (the scale)
@@ -33,6 +33,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from sglang_marconi.policy.rules import score
+
 BLOCK = 256
 FRONT = 8
 _INF = float("inf")
@@ -58,7 +60,7 @@ class RankedCandidates:
         self._hi_t, self._hi_e = [-_INF] * blocks, [-_INF] * blocks
         self._stale: set[int] = set()  # blocks whose extremes may be too wide
         self._extremes = None  # global (lo_t, lo_e, hi_t, hi_e), exact; None: to recompute
-        self._scale = None  # (lo_t, lo_e, span_t, span_e, alpha) the per-block values hold for
+        self._scale = None  # the `score.Scale` the per-block values hold for
         self._best = np.full(blocks, _INF)  # per block: its front's first score, else a lower bound
         self._front: list = [None] * blocks  # per block: [(score, tie, slot), ...] sorted, or None
         self._floor = [_INF] * blocks  # per block with a front: no other slot scores below this
@@ -148,13 +150,13 @@ class RankedCandidates:
         scale = self._scale
         if scale is None:
             return
-        score = self._score(recency, efficiency, scale)
+        value = score.utility(recency, efficiency, scale)
         front = self._front[b]
         if front is None:
-            if score < self._best[b]:
-                self._best[b] = score  # still a lower bound
-        elif score < self._floor[b]:
-            insort(front, (score, tie, slot))
+            if value < self._best[b]:
+                self._best[b] = value  # still a lower bound
+        elif value < self._floor[b]:
+            insort(front, (value, tie, slot))
             if len(front) > FRONT:
                 floor = self._floor[b] = front.pop()[0]
                 while front and front[-1][0] >= floor:  # the front holds only scores below its floor
@@ -233,18 +235,12 @@ class RankedCandidates:
             self._refresh_extremes()
             g = self._extremes = (min(self._lo_t[:used]), min(self._lo_e[:used]),
                                   max(self._hi_t[:used]), max(self._hi_e[:used]))
-        lo_t, lo_e = g[0], g[1]
-        span_t, span_e = g[2] - lo_t, g[3] - lo_e
-        if not span_t > 0:
-            return self._lowest_degenerate(alpha, lo_e, span_e)
-        if not span_e > 0:
-            alpha = 0.0  # marconi_scores adds alpha * 0 then: recency alone ranks
-        scale = (lo_t, lo_e, span_t, span_e, alpha)
+        if alpha and not g[2] > g[0]:  # one recency: the block bounds would read dead slots as 0 * inf
+            return self._lowest_degenerate(alpha, g)
+        scale = score.scale(g[0], g[2], g[1], g[3], alpha)
         if scale != self._scale:  # every block back to its bound
             self._scale = scale
-            self._lo2 = np.array([[lo_t], [lo_e]])
-            self._span2 = np.array([[span_t], [span_e if alpha else 1.0]])  # row E unused without alpha
-            self._best[:used] = self._scores(np.array([self._lo_t[:used], self._lo_e[:used]]), scale)
+            self._best[:used] = score.utility(np.array(self._lo_t[:used]), np.array(self._lo_e[:used]), scale)
             self._front[:used] = [None] * used
         values = self._best[:used]
         while True:
@@ -270,30 +266,11 @@ class RankedCandidates:
             b = min(ties, key=lambda t: self._front[t][0][1])
             return self._keys[self._front[b][0][2]]
 
-    @staticmethod
-    def _score(t: float, e: float, scale) -> float:
-        # marconi_scores' arithmetic on one candidate: (t - lo_t) / span_t + alpha * ((e - lo_e) / span_e)
-        lo_t, lo_e, span_t, span_e, alpha = scale
-        s = (t - lo_t) / span_t
-        if alpha:
-            s += alpha * ((e - lo_e) / span_e)
-        return s
-
-    @staticmethod
-    def _scores(cols, scale):
-        lo_t, lo_e, span_t, span_e, alpha = scale
-        s = (cols[_T] - lo_t) / span_t
-        if alpha:
-            s += alpha * ((cols[_E] - lo_e) / span_e)
-        return s
-
     def _score_block(self, b: int) -> None:
         """Score block `b` under the current scale: its front and floor."""
         start = b * self._block
-        # Both rows normalized at once (each element: the same operations as `_score`).
-        n = (self._cols[:, start:start + self._block] - self._lo2) / self._span2  # dead slots: +inf
-        alpha = self._scale[4]
-        s = n[_T] if not alpha else n[_T] + n[_E] if alpha == 1.0 else n[_T] + alpha * n[_E]
+        cols = self._cols[:, start:start + self._block]
+        s = score.utility(cols[_T], cols[_E], self._scale)  # dead slots: +inf
         k = min(FRONT + 1, len(s))
         low = np.argpartition(s, k - 1)[:k] if k < len(s) else np.arange(len(s))
         entries = sorted(zip(s[low].tolist(), self._tie[start + low].tolist(), (start + low).tolist()))
@@ -311,12 +288,9 @@ class RankedCandidates:
             floor = float(above.min()) if len(above) else _INF
         self._front[b], self._floor[b], self._best[b] = front, floor, front[0][0]
 
-    def _lowest_degenerate(self, alpha: float, lo_e: float, span_e: float):
-        """All candidates have one recency (a column whose values are all equal normalizes to 0,
-        `marconi_scores`): rank them directly (in practice: one candidate)."""
-        items = self._entries.values()
-        if alpha and span_e > 0:
-            best = min(items, key=lambda v: (alpha * ((v[2] - lo_e) / span_e), v[3]))
-        else:
-            best = min(items, key=lambda v: v[3])
+    def _lowest_degenerate(self, alpha: float, extremes):
+        """All candidates have one recency (it cannot rank them): rank them directly, by
+        `score.utility` on each (in practice: one candidate)."""
+        scale = score.scale(extremes[0], extremes[2], extremes[1], extremes[3], alpha)
+        best = min(self._entries.values(), key=lambda v: (score.utility(v[1], v[2], scale), v[3]))
         return self._keys[best[0]]

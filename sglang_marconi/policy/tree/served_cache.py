@@ -22,10 +22,11 @@ reusable under eviction, so this model follows SGLang's own mechanics, call for 
 - Victims (`serving/components.py`): under KV pressure the unlocked leaves (stateless ones with
   value 0), deleted whole; under Mamba pressure probationary states first (oldest), then unlocked
   states on nodes with at most one child (a leaf deleted whole, else the state tombstoned), else
-  SGLang's least recently used unlocked state. The choice `lru` is SGLang's LRU: the oldest leaf,
-  and under Mamba pressure the least recently used unlocked state on any node. Values: FLOPs saved
-  back to the nearest ancestor that holds a state, has several children or is the root, per byte
-  freed; SegLen: that replay length. `CandidateIndex.lowest` ranks them, as it does in the server.
+  SGLang's least recently used unlocked state (`policy/rules/candidates.py`). The choice `lru` is
+  SGLang's LRU: the oldest leaf, and under Mamba pressure the least recently used unlocked state on
+  any node. Values (`policy/rules/value.py`): FLOPs saved back to the node's anchor (the nearest
+  ancestor that holds a state, has several children or is the root) per byte freed; SegLen: that
+  replay length. `CandidateIndex.lowest` ranks them (`policy/rules/score.py`), as in the server.
 - Admission (`serving/admission.py`, the rules in `policy/rules/branch_grid.py`): the branch state where
   two-pass prefill ends a chunk (no_buffer) or where extra_buffer snapshots it, the final state
   (extra_buffer: the last tracked one, the insert truncated there), and with probation the state at
@@ -40,22 +41,26 @@ request, page size 1); `scripts/check_sim_vs_served.py` compares the two request
 from __future__ import annotations
 
 import copy
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from sglang_marconi.policy.rules import branch_grid
-from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.rules.eviction.flop_aware import flops_saved_per_byte
+from sglang_marconi.policy.rules import branch_grid, candidates
+from sglang_marconi.policy.rules import value as value_rule
 from sglang_marconi.policy.rules.probation import ProbationRegistry
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 from sglang_marconi.policy.tree.radix_tree import as_token_array
 
 NO_BUFFER, EXTRA_BUFFER = "no_buffer", "extra_buffer"
 STRATEGIES = (NO_BUFFER, EXTRA_BUFFER)
 LRU = "lru"  # the shadow tuner's name for SGLang's LRU (policy/tuning/shadow_tuner.py)
 _STAMP_STEP = 0.00001  # a match stamps ancestors this much older, level by level (SGLang's)
+_holds_state = operator.attrgetter("state")
+_end_of = operator.attrgetter("end")
+_node_id = operator.attrgetter("id")
 
 
 @dataclass(frozen=True)
@@ -256,7 +261,7 @@ class ServedCache:
         # Req.init_next_round_input: match input[:n_in - 1], copy-on-write the state hit
         best, full_hit = self._match(seq[: n_in - 1])
         hit = best.end
-        req = _Request(n_in, hit, hit, full_hit if full_hit > hit else None)
+        req = _Request(n_in, hit, hit, branch_grid.branch_position(full_hit, hit))
         if best.state:
             if self.mamba_free < 1:
                 self._lock(best)
@@ -628,14 +633,8 @@ class ServedCache:
             self.events.append(ServedEvent(self.served, pressure, kind, node.start, node.end))
 
     # -- Marconi's candidates (serving/tree_index.py: the same sets and values) ---------------------
-    def _anchor_end(self, node: _Node) -> int:
-        parent = node.parent
-        while parent is not self.root and len(parent.children) == 1 and not parent.state:
-            parent = parent.parent
-        return parent.end
-
     def _value(self, node: _Node, leaf: bool) -> float:
-        start, end = self._anchor_end(node), node.end
+        start, end = value_rule.anchor_end(node, self.root, _holds_state, _end_of), node.end
         if self.kind == "seglen":
             return float(end - start)
         flops = self._flops.get((start, end))
@@ -643,7 +642,8 @@ class ServedCache:
             if len(self._flops) >= 1 << 16:
                 self._flops.clear()
             flops = self._flops[(start, end)] = self.profile.prefill_flops(start, end)
-        return flops_saved_per_byte(flops, self.ssm_state_bytes, self.kv_bytes_per_token * (end - start) if leaf else 0)
+        return value_rule.flops_saved_per_byte(flops, self.ssm_state_bytes,
+                                          self.kv_bytes_per_token * (end - start) if leaf else 0)
 
     def _nodes(self):
         stack = list(self.root.children.values())
@@ -661,25 +661,29 @@ class ServedCache:
 
     def _mamba_victim(self) -> _Node | None:
         index = CandidateIndex(tie_key=CandidateIndex.node_id)
-        for node in sorted((n for n in self._mamba_lru.values() if not n.mamba_lock and len(n.children) <= 1),
-                           key=lambda n: n.id):
+        for node in sorted(self._mamba_lru.values(), key=_node_id):
             leaf = self._is_leaf(node)
-            if leaf or node.children:
+            if candidates.state_candidate(node.mamba_lock, leaf, len(node.children)):
                 index.add(node, node.state_time, self._value(node, leaf))
         return index.lowest(self.weight) if len(index) else None
 
+    def _whole_edges(self, seq):
+        """The nodes whose whole edge `seq` follows from the root, in order (nothing changed)."""
+        node, pos = self.root, 0
+        while pos < len(seq):
+            child = node.children.get(int(seq[pos]))
+            if child is None:
+                return
+            m = self._common(child.tokens, seq, pos)
+            if m < len(child.tokens):
+                return
+            node, pos = child, pos + m
+            yield node
+
     def peek_hit(self, input_tokens) -> int:
         """The hit `serve` would report for this input, changing nothing."""
-        key = input_tokens[: len(input_tokens) - 1]
-        node, pos, hit = self.root, 0, 0
-        while pos < len(key):
-            child = node.children.get(int(key[pos]))
-            if child is None:
-                break
-            m = self._common(child.tokens, key, pos)
-            if m < len(child.tokens):
-                break
-            node, pos = child, pos + m
+        hit = 0
+        for node in self._whole_edges(input_tokens[: len(input_tokens) - 1]):
             if node.state:
                 hit = node.end
         return hit
@@ -700,19 +704,7 @@ class ServedCache:
 
     def states_on_path(self, tokens) -> list[int]:
         """Depths along `tokens` where this cache holds a state (diagnosis)."""
-        seq = as_token_array(tokens)
-        node, pos, out = self.root, 0, []
-        while pos < len(seq):
-            child = node.children.get(int(seq[pos]))
-            if child is None:
-                break
-            m = self._common(child.tokens, seq, pos)
-            if m < len(child.tokens):
-                break
-            node, pos = child, pos + m
-            if node.state:
-                out.append(node.end)
-        return out
+        return [node.end for node in self._whole_edges(as_token_array(tokens)) if node.state]
 
     def check_invariants(self) -> None:
         kv = states = 0

@@ -6,18 +6,18 @@ victim is the one `CandidateIndex.lowest` picks, for less per operation.
   large (from SMALL entries up, down to half that), and built from the lists when a small index
   needs them (a subnormal span, below): same values, same slots.
 - `lowest` on a few candidates (a contended cache holds a handful: the shadows of a 1 GB cache
-  hold about six) scores them in plain Python instead of several numpy calls. Each score is the
-  reference's, bit for bit: `w_t * (t - lo_t) + w_e * (e - lo_e)` rounds each operation on its own
-  in Python as in the reference's element-wise numpy (`candidate_index.weighted_scores`); exact
-  ties go to the smallest tie key, as there. A subnormal span (a weight overflows) asks the
-  reference itself.
+  hold about six) scores them in plain Python floats instead of several numpy calls, with the
+  same rule (`policy/rules/score.py`: `score.utility` on each candidate, `score.lowest_slot` over
+  the list): each score is the reference's bit for bit (the rule rounds each operation on its
+  own, in Python as in numpy), exact ties to the smallest tie key.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from sglang_marconi.policy.tree.candidate_index import CandidateIndex, utility_weights
+from sglang_marconi.policy.rules import score
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 
 SMALL = 32  # up to this many candidates the Python scores are cheaper than numpy's calls
 
@@ -129,14 +129,7 @@ class SmallCandidateIndex(CandidateIndex):
             scores = recency
         else:
             value = self.value
-            lo_t, lo_e = min(recency), min(value)
-            weights = utility_weights(lo_t, max(recency), lo_e, max(value), alpha)
-            if weights is None:  # a subnormal span: the reference's division, on these slots
-                return super().lowest(alpha)  # (through `scores`, on a snapshot of the lists)
-            w_t, w_e = weights
-            scores = [w_t * (t - lo_t) + w_e * (e - lo_e) for t, e in zip(recency, value)]
-        best = min(scores)
-        slot = scores.index(best)  # numpy's argmin: the first of equals
-        if scores.count(best) > 1:
-            slot = self.least_key([i for i, s in enumerate(scores) if s == best])
-        return self.items[slot]
+            scale = score.scale(min(recency), max(recency), min(value), max(value), alpha)
+            utility = score.utility
+            scores = [utility(t, e, scale) for t, e in zip(recency, value)]
+        return self.items[score.lowest_slot(scores, self.least_key)]

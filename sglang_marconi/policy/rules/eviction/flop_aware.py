@@ -9,16 +9,7 @@ from __future__ import annotations
 from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules.eviction.base import EvictionPolicy
-
-
-def flops_saved_per_byte(flops: float, state_bytes: int, leaf_kv_bytes: int) -> float:
-    """Eq. 1, the value Marconi ranks a candidate by: the prefill FLOPs a hit at the node saves
-    over its parent in the compressed tree (`flops`), per byte its eviction frees: its state's
-    bytes, plus for a leaf the KV of its edge (`leaf_kv_bytes`; 0 for a single-child node, whose
-    KV stays). The one implementation: the simulator's caches, the tuner's shadows and the served
-    index (`serving/tree_index.py`) all call it."""
-    freed = state_bytes + leaf_kv_bytes
-    return flops / freed if freed else 0.0
+from sglang_marconi.policy.rules.value import flops_saved_per_byte  # noqa: F401 (Eq. 1: rules/value.py)
 
 
 def check_alpha(alpha) -> float:

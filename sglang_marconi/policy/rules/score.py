@@ -1,0 +1,123 @@
+"""Marconi's eviction score (Eq. 2), the one implementation every candidate index calls: the
+simulator's caches and the tuner's shadows (`tree/candidate_index.py`, `tree/small_candidates.py`),
+the host tier's ranked admission (`tree/host_candidates.py`), the sliding-window plan
+(`tree/ranked_candidates.py`) and, through them, the served cache's components.
+
+The rule. Over a set of candidates, each with a recency `t` (grows with time) and a value `e`
+(what keeping it saves, `rules/value.py`), the victim is the candidate with the lowest
+
+    S = norm(t) * (1 + 1e-12) + alpha * norm(e)
+
+where norm min-max normalizes a column over the set (a column whose values are all equal
+normalizes to 0: it cannot rank anything). The relative 1e-12 on recency, far below any real
+score difference, sends the common exact tie of alpha = 1 (the oldest, most valuable candidate and
+the newest, least valuable one both score 1) to the older candidate. alpha = 0 is LRU: recency
+alone, not normalized (the same order, with no rounding). Among candidates whose scores are
+exactly equal the smallest tie key wins: an int or tuple of ints every rank computes identically
+(an SGLang node id: nodes are numbered in creation order, which the request stream fixes), never
+a slot or an order of insertion.
+
+The arithmetic, fixed so that every index, whatever its storage, computes each score bit for bit
+alike (a near-tie is then decided the same way in the simulator and in the server):
+`scale(lo_t, hi_t, lo_e, hi_e, alpha)` turns the set's extremes into weights, and
+`utility(t, e, scale)` evaluates one candidate or a numpy array of them element by element:
+`(t - lo_t) * w_t + (e - lo_e) * w_e`, each operation rounded on its own (never a BLAS dot, which
+may fuse or reorder them). Where a span is subnormal (a weight overflows) the scale divides
+instead, as the paper's formula does. Both are monotone in `t` and in `e`, which the incremental
+index (`RankedCandidates`) relies on for its lower bounds.
+
+Callers reach these functions through this module (`score.utility(...)`), never a copy: replacing
+one here replaces it everywhere (`tests/serving/test_rule_mutants.py` does).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+RECENCY_WEIGHT = 1.0 + 1e-12  # exact ties of the normalized sum go to the older candidate
+_INF = float("inf")
+
+
+class Scale(NamedTuple):
+    """What `utility` needs of a candidate set: `(t - lo_t) * w_t + (e - lo_e) * w_e`, or, with
+    `spans` (a weight would overflow), `(t - lo_t) / span_t * RECENCY_WEIGHT + alpha * ((e - lo_e) / span_e)`."""
+
+    lo_t: float
+    lo_e: float
+    w_t: float
+    w_e: float
+    spans: Optional[tuple] = None  # (span_t, span_e, alpha): divide instead of weighting
+
+
+LRU_SCALE = Scale(0.0, 0.0, 1.0, 0.0)  # alpha = 0: recency itself
+
+
+def scale(lo_t: float, hi_t: float, lo_e: float, hi_e: float, alpha: float) -> Scale:
+    """The scale of a candidate set with these extremes (see the module docstring)."""
+    if not alpha:
+        return LRU_SCALE
+    w_t = RECENCY_WEIGHT / (hi_t - lo_t) if hi_t > lo_t else 0.0
+    w_e = alpha / (hi_e - lo_e) if hi_e > lo_e else 0.0
+    if w_t == _INF or w_e == _INF:
+        return Scale(lo_t, lo_e, 0.0, 0.0, (hi_t - lo_t, hi_e - lo_e, alpha))
+    return Scale(lo_t, lo_e, w_t, w_e)
+
+
+def utility(t, e, s: Scale):
+    """The score of one candidate (floats) or of each of several (numpy arrays), under `s`.
+    A zero weight adds nothing (and reads nothing: +inf marks a dead slot in `RankedCandidates`)."""
+    if s is LRU_SCALE:
+        return t  # (t - 0.0) * 1.0, bit for bit
+    if s.spans is not None:
+        return _divided(t, e, s)
+    u = t - s.lo_t
+    u *= s.w_t
+    if s.w_e:
+        v = e - s.lo_e
+        v *= s.w_e
+        u += v
+    return u
+
+
+def _divided(t, e, s: Scale):
+    span_t, span_e, alpha = s.spans
+    u = (t - s.lo_t) / span_t * RECENCY_WEIGHT if span_t > 0 else (t - s.lo_t) * 0.0
+    if span_e > 0:
+        u = u + alpha * ((e - s.lo_e) / span_e)
+    return u
+
+
+def scores(t: np.ndarray, e: np.ndarray, alpha: float) -> np.ndarray:
+    """Every candidate's score, normalized over these candidates (the definition, from scratch;
+    alpha = 0: the recency itself)."""
+    if not len(t) or not alpha:
+        return np.asarray(t, dtype=float)
+    return utility(t, e, scale(float(t.min()), float(t.max()), float(e.min()), float(e.max()), alpha))
+
+
+def lowest_slot(values, least_key) -> int:
+    """The position of the lowest of `values` (a numpy array or a list); among positions holding
+    exactly that value, `least_key(positions)`: the one with the smallest tie key. The keys are
+    read only on a tie."""
+    if isinstance(values, list):
+        best = min(values)
+        slot = values.index(best)
+        if values.count(best) > 1:
+            slot = least_key([i for i, v in enumerate(values) if v == best])
+        return slot
+    slot = int(values.argmin())
+    equal = values == values[slot]
+    if np.count_nonzero(equal) == 1:
+        return slot
+    return least_key(np.flatnonzero(equal))
+
+
+def minmax(values: np.ndarray) -> np.ndarray:
+    """Min-max normalized to [0, 1]; all equal: zeros."""
+    lo = values.min()
+    span = values.max() - lo
+    if span <= 0:
+        return np.zeros(len(values))
+    return (values - lo) / span

@@ -68,7 +68,7 @@ from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
 from sglang_marconi.policy.rules.eviction.flop_aware import check_alpha
 from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
-from sglang_marconi.policy.tree.radix_tree import Node, Walk, as_token_array
+from sglang_marconi.policy.tree.radix_tree import Node, as_token_array
 from sglang_marconi.policy.tuning.sampling import check_rate, session_in_sample
 
 LRU = "lru"  # the choice that stands for SGLang's LRU (leaves only, whole-path refresh)
@@ -765,11 +765,11 @@ class _SharedShadow(HybridPrefixCache):
         self.path_access: dict[int, float] = {}
         self.path_clock = 0.0
 
-    def _touch_hit(self, walk: Walk, hit_node: Node) -> None:
+    def _touch_hit(self, path: list[Node], hit_node: Node) -> None:
         if hit_node is not self.tree.root:
             self.clock += 1.0
             hit_node.last_access = self.clock
-        for node in walk.path:
+        for node in path:
             self.path_clock += 1.0
             self.path_access[node.id] = self.path_clock
 

@@ -122,6 +122,18 @@ def test_flop_aware_eviction_keeps_the_long_prefix(toy):
     assert lru.lookup(list(range(100)) + [1]).hit_tokens == 0
 
 
+def test_a_weight_changed_in_place_ranks_the_next_eviction(toy):
+    # The tuner's `adopt_choice` moves between FLOP-aware weights by setting `eviction.alpha` on the
+    # cache's policy object, without `set_eviction`: the next victim must follow the new weight.
+    c = cache(toy, capacity=150, eviction=FlopAwareEviction(0.0))
+    c.serve(list(range(100)), [])
+    c.serve([500] * 5, [])
+    c.serve([600] * 5, [])
+    c.eviction.alpha = 2.0
+    c.serve([700] * 30, [])  # needs room: at alpha 0 the 100-token prefix would go
+    assert c.lookup(list(range(100)) + [1]).hit_tokens == 100
+
+
 def test_sglang_plus_refreshes_path_and_evicts_only_leaves(toy):
     c = cache(toy, capacity=1000, eviction=LruLeafEviction())
     c.serve([1] * 30, [])

@@ -34,7 +34,7 @@ def assert_same_cache(shadow: ShadowCache, ref: HybridPrefixCache) -> None:
     """Same tree (node for node, in the same order), states, recency, candidate slots and columns."""
     a, b = shadow.snapshot(), ref.snapshot()
     assert a.parents == b.parents and a.has_state == b.has_state and a.last_access == b.last_access
-    assert all(np.array_equal(s[start:end], t) for s, start, end, t in zip(a.srcs, a.starts, a.ends, b.tokens))
+    assert all(np.array_equal(s[start:end], t) for (s, start, end), (t,) in zip(a.edges, b.edges))
     assert a.probation == b.probation and a.clock == b.clock
     assert (shadow.kv_tokens, shadow.ssm_states, shadow.counters) == (ref.kv_tokens, ref.ssm_states, ref.counters)
     n = len(ref.index)

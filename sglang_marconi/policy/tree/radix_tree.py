@@ -1,4 +1,5 @@
-"""A radix tree over token sequences: structure only (no bytes, no policy).
+"""A radix tree over token sequences with copied edges: structure only (no bytes, no policy; the
+mechanics over it are `core.TreeCore`'s).
 
 Each node's edge holds the tokens between its parent's end and its own end; `end` is the
 absolute prefix length at the node, so it never changes when edges are split or merged.
@@ -149,6 +150,22 @@ class RadixTree:
         del parent.children[self._key(leaf.tokens, 0)]
         leaf.parent = None
         return parent
+
+    def restore_leaf(self, parent: Node, tokens: np.ndarray) -> Node:
+        """A leaf rebuilt from a snapshot's edge (`edge_of`)."""
+        return self.add_leaf(parent, tokens)
+
+    @staticmethod
+    def edge_of(node: Node) -> tuple:
+        """What a snapshot keeps of `node`'s edge: the arguments of `restore_leaf`."""
+        return (node.tokens,)
+
+    def check_node(self, node: Node) -> None:
+        """Raise AssertionError if `node`'s edge or its children's keys disagree with the tree."""
+        assert node.end == node.parent.end + len(node.tokens), node
+        assert len(node.tokens) > 0 and len(node.tokens) % self.page_size == 0, node
+        for key, child in node.children.items():
+            assert child.parent is node and self._key(child.tokens, 0) == key
 
     def merge_into_child(self, node: Node) -> Node:
         """Remove single-child `node`, prepending its edge to its child's; return the child."""

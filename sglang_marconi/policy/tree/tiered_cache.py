@@ -1,5 +1,10 @@
 """Two-tier prefix cache for hybrid models: `HybridPrefixCache`'s device tier plus a host tier.
 
+A configuration of `core.TreeCore` (copied edges whose nodes carry tier flags): the core's locks,
+leaf insertion, room making and lookup pieces run as they are; candidate upkeep (a second index),
+eviction (the tier rules), splits (tier flags), compression (only edges on the same tiers merge)
+and the request flow (load back, re-evicted KV) are this module's.
+
 The model (what `--host-capacity` simulates; SGLang's HiCache with `--hicache-write-policy
 write_back` is the system modeled):
 
@@ -43,7 +48,6 @@ never binds here: a host hit always loads a state, and a state transfer always l
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -52,6 +56,7 @@ import numpy as np
 from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction
+from sglang_marconi.policy.tree.core import TokenArrayRequests, TreeCore
 from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex
 from sglang_marconi.policy.tree.radix_tree import Node, RadixTree, as_token_array
 from sglang_marconi.policy.rules.tier_rules import Demotion, EvictionFacts, host_candidate_bytes
@@ -85,6 +90,11 @@ class _TieredTree(RadixTree):
         node = TieredNode(parent, tokens, end, self._next_id)
         self._next_id += 1
         return node
+
+    def split(self, child: TieredNode, k: int) -> TieredNode:
+        head = super().split(child, k)
+        head.kv_dev, head.kv_host = child.kv_dev, child.kv_host  # the edge's KV stays where it was
+        return head
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +132,7 @@ def _digest(tokens: np.ndarray) -> bytes:
     return hashlib.blake2b(tokens.tobytes(), digest_size=16).digest()
 
 
-class TieredPrefixCache:
+class TieredPrefixCache(TokenArrayRequests, TreeCore):
     def __init__(self, profile, capacity_bytes: int, host_capacity_bytes: int, rules,
                  eviction: EvictionPolicy | None = None, *, checkpoint_grid: int = 1, page_size: int = 1,
                  verify: bool = False):
@@ -134,47 +144,27 @@ class TieredPrefixCache:
         if 2 * profile.ssm_state_bytes > capacity_bytes:
             raise MarconiError(f"capacity_bytes={capacity_bytes} is smaller than one request's two SSM states "
                                f"(2 x {profile.ssm_state_bytes} bytes for {profile.name})")
-        if not isinstance(checkpoint_grid, int) or checkpoint_grid < 1:
-            raise MarconiError(f"checkpoint_grid must be a positive integer, got {checkpoint_grid!r}")
-        self.profile = profile
-        self.capacity_bytes = int(capacity_bytes)
         self.host_capacity_bytes = int(host_capacity_bytes)
         self.rules = rules
-        self.checkpoint_grid = checkpoint_grid
-        self.kv_bytes_per_token = int(profile.kv_bytes_per_token)
-        self.ssm_state_bytes = int(profile.ssm_state_bytes)
-        self.attention_only = False  # read by policies' node_value (SegLen)
         self.verify = verify
-        self.tree = _TieredTree(page_size)
-        self.index = CandidateIndex(tie_key=CandidateIndex.node_id)  # device candidates
         self.host_index = HostCandidateIndex()
-        self.kv_tokens = 0  # on the device
-        self.ssm_states = 0  # on the device
         self.host_kv_tokens = 0
         self.host_states = 0
-        self.clock = 0.0
-        self.counters = TierCounters()
         # host copies of what is also on the device, in the order they became duplicates
         self._kv_duplicates: dict[int, TieredNode] = {}
         self._state_duplicates: dict[int, TieredNode] = {}
         # tier changes whose tree tidying waits for a safe point (by id: a deterministic order)
         self._unsettled: dict[int, TieredNode] = {}
         self._protected: TieredNode | None = None  # the node being evicted: a candidate of neither tier meanwhile
-        self.eviction = None
-        self.set_eviction(eviction if eviction is not None else FlopAwareEviction(0.0))
+        # kv_tokens and ssm_states count the device's; the index holds the device's candidates
+        self._configure(profile, capacity_bytes, eviction if eviction is not None else FlopAwareEviction(0.0),
+                        _TieredTree(page_size), CandidateIndex(tie_key=CandidateIndex.node_id),
+                        checkpoint_grid=checkpoint_grid, counters=TierCounters())
 
     # -- accounting ------------------------------------------------------------------------------
     @property
-    def used_bytes(self) -> int:
-        return self.kv_tokens * self.kv_bytes_per_token + self.ssm_states * self.ssm_state_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        return self.capacity_bytes - self.used_bytes
-
-    @property
     def host_used_bytes(self) -> int:
-        return self.host_kv_tokens * self.kv_bytes_per_token + self.host_states * self.ssm_state_bytes
+        return self.bytes_of(self.host_kv_tokens, self.host_states)
 
     @property
     def host_free_bytes(self) -> int:
@@ -197,8 +187,8 @@ class TieredPrefixCache:
             walk = self.tree.walk(seq)  # making room may have changed the tree beyond the hit
             if not loaded:
                 hit_node = on_device
-        self._touch_hit(walk, hit_node)
-        branch = self._branch_target(walk, limit)
+        self._touch_hit(walk.path, hit_node)
+        branch = self._branch_target(walk.path, walk.partial, walk.overlap, limit)
         self._settle()
         return TieredLookup(hit_node.end, on_device.end, walk.overlap,
                             branch if branch is not None and branch > hit_node.end else None, hit_node, loaded)
@@ -244,23 +234,6 @@ class TieredPrefixCache:
         finally:
             self.unlock(target)
 
-    def _touch_hit(self, walk, hit_node: TieredNode) -> None:
-        if self.eviction.refresh_matched_path:
-            for node in walk.path:
-                self._touch(node)
-        elif hit_node is not self.tree.root:
-            self._touch(hit_node)
-
-    def _branch_target(self, walk, limit: int) -> int | None:
-        """`HybridPrefixCache._branch_checkpoint` before comparing with the hit: where inserting
-        the input would create a branch (either tier's nodes count), floored to the grid."""
-        if walk.partial is None:
-            node = walk.last
-            if node is None or not node.children or node.has_state:
-                return None
-        branch = min(walk.overlap, limit)
-        return branch - branch % self.checkpoint_grid
-
     def admit(self, sequence, checkpoint_at: int | None = None) -> int:
         """Cache a finished request's sequence with a device state at its end and at
         `checkpoint_at`; evict to make room. Returns the device states it added (<= 2)."""
@@ -270,9 +243,7 @@ class TieredPrefixCache:
             return 0
         seq = seq[:n]
         walk = self.tree.walk(seq)
-        positions = [n]
-        if checkpoint_at is not None and 0 < checkpoint_at < n and checkpoint_at % self.tree.page_size == 0:
-            positions.insert(0, int(checkpoint_at))
+        positions = self._admitted_positions(n, checkpoint_at)
         device_state_ends = {node.end for node in walk.path if node.st_dev}
         new_states = sum(1 for p in positions if p not in device_state_ends)
         # Lock what the request matched whole, not the edge it leaves mid-way (`HybridPrefixCache.admit`).
@@ -332,36 +303,7 @@ class TieredPrefixCache:
         seq = np.concatenate((inp, np.asarray(output_tokens, dtype=np.int64)))
         return lookup, self.admit(seq, lookup.checkpoint_at)
 
-    # -- locks -----------------------------------------------------------------------------------
-    def lock(self, node: TieredNode) -> None:
-        while node is not self.tree.root:
-            node.lock_count += 1
-            if node.lock_count == 1:
-                self._refresh(node)
-            node = node.parent
-
-    def unlock(self, node: TieredNode) -> None:
-        while node is not None and node is not self.tree.root:
-            if node.lock_count <= 0:
-                raise MarconiError(f"unlock of {node!r} which is not locked")
-            node.lock_count -= 1
-            parent = node.parent
-            if node.lock_count == 0:
-                self._refresh(node)
-                self._compress(node)
-            node = parent
-
     # -- device eviction -------------------------------------------------------------------------
-    def _make_room(self, kv_bytes: int, new_states: int) -> bool:
-        needed = kv_bytes + new_states * self.ssm_state_bytes
-        if needed > self.capacity_bytes:
-            return False
-        while self.free_bytes < needed:
-            if not len(self.index):
-                return False
-            self.evict(self.eviction.choose(self.index))
-        return True
-
     def _is_device_leaf(self, node: TieredNode) -> bool:
         return node.kv_dev and not any(child.kv_dev for child in node.children.values())
 
@@ -398,14 +340,7 @@ class TieredPrefixCache:
     def _evict_leaf(self, node: TieredNode, plan: Demotion) -> None:
         c, kv_bytes = self.counters, self._kv_bytes(node)
         if node.st_dev:
-            if plan.state and not node.st_host:
-                self._set_state(node, host=True)
-                c.states_demoted += 1
-                c.bytes_demoted += self.ssm_state_bytes
-            elif not plan.state:
-                c.states_dropped += 1
-                c.bytes_dropped += self.ssm_state_bytes
-            self._set_state(node, dev=False)
+            self._state_leaves_device(node, plan)
         if plan.kv and not node.kv_host:
             self._set_kv(node, host=True)
             c.bytes_demoted += kv_bytes
@@ -423,6 +358,14 @@ class TieredPrefixCache:
         if plan.kv and not node.kv_host:  # upstream's internal backup copies the node's KV too
             self._set_kv(node, host=True)
             c.bytes_demoted += self._kv_bytes(node)
+        self._state_leaves_device(node, plan)
+        self._refresh(node)
+        self._compress(node)  # without a state: `HybridPrefixCache.evict`, the edge is absorbed by the child
+
+    def _state_leaves_device(self, node: TieredNode, plan: Demotion) -> None:
+        """The device state of an evicted node goes to the host if the plan keeps it (unless a copy
+        is there already), or is lost."""
+        c = self.counters
         if plan.state and not node.st_host:
             self._set_state(node, host=True)
             c.states_demoted += 1
@@ -431,8 +374,6 @@ class TieredPrefixCache:
             c.states_dropped += 1
             c.bytes_dropped += self.ssm_state_bytes
         self._set_state(node, dev=False)
-        self._refresh(node)
-        self._compress(node)  # without a state: `HybridPrefixCache.evict`, the edge is absorbed by the child
 
     def _remove_subtree(self, node: TieredNode) -> None:
         """Remove `node`, whose KV is on neither tier, and the host-only nodes below it."""
@@ -590,25 +531,9 @@ class TieredPrefixCache:
 
     # -- tree edits that keep both candidate indexes current ---------------------------------------
     def _split(self, child: TieredNode, k: int) -> TieredNode:
-        head = self.tree.split(child, k)
-        head.kv_dev, head.kv_host = child.kv_dev, child.kv_host
+        head = super()._split(child, k)
         self._track(self._kv_duplicates, head, head.kv_dev and head.kv_host)
-        self._refresh(head)
-        self._refresh(child)
         return head
-
-    def _add_leaf(self, parent: TieredNode, tokens: np.ndarray) -> TieredNode:
-        leaf = self.tree.add_leaf(parent, tokens)
-        self.kv_tokens += len(tokens)
-        leaf.last_access = self.clock
-        self._refresh(leaf)
-        self._refresh(parent)
-        return leaf
-
-    def _node_at(self, seq: np.ndarray, pos: int) -> TieredNode:
-        walk = self.tree.walk(seq[:pos])
-        assert walk.overlap == pos, "admitted positions lie on the inserted path"
-        return self._split(walk.partial, walk.partial_len) if walk.partial else walk.last
 
     def _compress(self, node: TieredNode) -> None:
         if node is self.tree.root or node.parent is None or node.lock_count or node.has_state or len(node.children) != 1:
@@ -622,10 +547,7 @@ class TieredPrefixCache:
         self._refresh(self.tree.merge_into_child(node))
 
     def _touch(self, node: TieredNode) -> None:
-        self.clock += 1.0
-        node.last_access = self.clock
-        if node.slot >= 0:
-            self.index.last_access[node.slot] = self.clock
+        super()._touch(node)
         if node.hslot >= 0:
             self.host_index.last_access[node.hslot] = self.clock
 
@@ -656,23 +578,12 @@ class TieredPrefixCache:
             return
         if getattr(eviction, "value_reaches_up", False):
             raise MarconiError(f"the host-tier model does not support {eviction.name} eviction")
-        self.eviction = eviction
-        value = getattr(eviction, "node_value", None)
-        self._node_value = self.flop_efficiency if value is None else functools.partial(value, self)
-        for node in self.tree.nodes():
-            self._refresh(node)
+        super().set_eviction(eviction)
 
     def _refresh(self, node: TieredNode) -> None:
         if node is self.tree.root:
             return
-        if self._is_candidate(node):
-            eff = self._node_value(node)
-            if node.slot < 0:
-                node.slot = self.index.add(node, node.last_access, eff)
-            else:
-                self.index.update(node.slot, node.last_access, eff)
-        elif node.slot >= 0:
-            self._drop(node)
+        super()._refresh(node)  # the device's candidates
         freed = self._host_candidate_bytes(node)
         if freed is not None:
             value = self._value(node, freed)
@@ -683,14 +594,6 @@ class TieredPrefixCache:
         elif node.hslot >= 0:
             self._drop_host(node)
 
-    def _drop(self, node: TieredNode) -> None:
-        if node.slot < 0:
-            return
-        moved = self.index.remove(node.slot)
-        if moved is not None:
-            moved.slot = node.slot
-        node.slot = -1
-
     def _drop_host(self, node: TieredNode) -> None:
         if node.hslot < 0:
             return
@@ -698,6 +601,9 @@ class TieredPrefixCache:
         if moved is not None:
             moved.hslot = node.hslot
         node.hslot = -1
+
+    def snapshot(self):
+        raise MarconiError("the host-tier model keeps no snapshots (the tuner's shadows model the device alone)")
 
     # -- checking --------------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -710,10 +616,7 @@ class TieredPrefixCache:
             host_kv += len(node.tokens) * node.kv_host
             states += node.st_dev
             host_states += node.st_host
-            assert node.end == node.parent.end + len(node.tokens), node
-            assert len(node.tokens) > 0 and len(node.tokens) % self.tree.page_size == 0, node
-            for key, child in node.children.items():
-                assert child.parent is node and self.tree._key(child.tokens, 0) == key
+            self.tree.check_node(node)
             assert node.kv_dev or node.kv_host, f"{node!r}: KV on neither tier"
             assert not node.kv_dev or node.parent is root or node.parent.kv_dev, f"{node!r}: device KV below host-only KV"
             assert not node.st_dev or node.kv_dev, f"{node!r}: device state over host-only KV"

@@ -17,35 +17,39 @@ from sglang_marconi.sim.policy_api import Outcome, PolicyStats
 from sglang_marconi.sim.workload import Request
 
 
-class HybridRadixPolicy:
-    def __init__(self, name: str, profile, capacity_bytes: int, eviction: EvictionPolicy, *,
-                 checkpoint_grid: int = 1, tuning: ShadowConfig | None = None, probation: bool = False):
+class TreePolicy:
+    """What every policy-core cache policy shares: the optional tuner, the history of choices, the
+    request loop and the stats. A subclass builds `self.cache` and says how a request is admitted
+    (`_admit`) and reported (`_outcome`)."""
+
+    def _start(self, name: str, profile, capacity_bytes: int, eviction: EvictionPolicy, checkpoint_grid: int,
+               tuning: ShadowConfig | None, probation: bool) -> EvictionPolicy:
+        """Name, tuner and history; returns the eviction the cache starts with."""
         self.name = name
         self.tuner = None
         if tuning is not None:
             self.tuner = ShadowTuner(profile, capacity_bytes, tuning, checkpoint_grid=checkpoint_grid,
                                      probation=probation)
             eviction = eviction_for(self.tuner.current)
-        self.cache = HybridPrefixCache(profile, capacity_bytes, eviction, checkpoint_grid=checkpoint_grid,
-                                       probation=probation)
         self.served = 0
         self.history = [(0, getattr(eviction, "alpha", 0.0), eviction.name)]  # (request index, alpha, policy)
+        return eviction
 
     def serve(self, request: Request) -> Outcome:
-        # HybridPrefixCache.serve, keeping the joined input + output for the tuner: it would
-        # otherwise copy a long request's tokens a second time
+        # the cache's serve, keeping the joined input + output for the tuner: it would otherwise
+        # copy a long request's tokens a second time
         cache, inp = self.cache, request.input_tokens
         lookup = cache.lookup(inp)
         seq = np.concatenate((inp, np.asarray(request.output_tokens, dtype=np.int64)))
-        admitted = cache.admit(seq, lookup.checkpoint_at, len(inp) if cache.probation else None)
+        admitted = self._admit(seq, lookup, len(inp))
         self.served += 1
         if self.tuner is not None:
             choice = self.tuner.observe(request.session_id, inp, request.output_tokens, sequence=seq)
             if choice is not None:
-                adopt_choice(self.cache, choice)
-                e = self.cache.eviction
+                adopt_choice(cache, choice)
+                e = cache.eviction
                 self.history.append((self.served, getattr(e, "alpha", 0.0), e.name))
-        return Outcome(request.input_len, lookup.hit_tokens, lookup.overlap_tokens, admitted)
+        return self._outcome(request, lookup, admitted)
 
     def stats(self) -> PolicyStats:
         c = self.cache
@@ -60,6 +64,21 @@ class HybridRadixPolicy:
             eviction_history=[(at, name) for at, _, name in self.history],
             tuning_seconds=self.tuner.log.seconds if self.tuner else 0.0,
         )
+
+
+class HybridRadixPolicy(TreePolicy):
+    def __init__(self, name: str, profile, capacity_bytes: int, eviction: EvictionPolicy, *,
+                 checkpoint_grid: int = 1, tuning: ShadowConfig | None = None, probation: bool = False):
+        eviction = self._start(name, profile, capacity_bytes, eviction, checkpoint_grid, tuning, probation)
+        self.cache = HybridPrefixCache(profile, capacity_bytes, eviction, checkpoint_grid=checkpoint_grid,
+                                       probation=probation)
+
+    def _admit(self, seq: np.ndarray, lookup, input_len: int) -> int:
+        return self.cache.admit(seq, lookup.checkpoint_at, input_len if self.cache.probation else None)
+
+    @staticmethod
+    def _outcome(request: Request, lookup, admitted: int) -> Outcome:
+        return Outcome(request.input_len, lookup.hit_tokens, lookup.overlap_tokens, admitted)
 
 
 def sglang_plus(profile, capacity_bytes: int, *, checkpoint_grid: int = 1, probation: bool = False) -> HybridRadixPolicy:

@@ -17,54 +17,28 @@ from dataclasses import asdict
 import numpy as np
 
 from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction
-from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, ShadowTuner, adopt_choice, eviction_for
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
 from sglang_marconi.policy.rules.tier_rules import MarconiTiering, UpstreamWriteBack
 from sglang_marconi.policy.tree.tiered_cache import TieredPrefixCache
-from sglang_marconi.sim.policy_api import Outcome, PolicyStats
+from sglang_marconi.sim.baselines.hybrid_radix import TreePolicy
+from sglang_marconi.sim.policy_api import Outcome
 from sglang_marconi.sim.workload import Request
 
 
-class TieredRadixPolicy:
+class TieredRadixPolicy(TreePolicy):
     def __init__(self, name: str, profile, capacity_bytes: int, host_capacity_bytes: int, rules,
                  eviction: EvictionPolicy, *, checkpoint_grid: int = 1, tuning: ShadowConfig | None = None):
-        self.name = name
-        self.tuner = None
-        if tuning is not None:
-            self.tuner = ShadowTuner(profile, capacity_bytes, tuning, checkpoint_grid=checkpoint_grid)
-            eviction = eviction_for(self.tuner.current)
+        eviction = self._start(name, profile, capacity_bytes, eviction, checkpoint_grid, tuning, False)
         self.cache = TieredPrefixCache(profile, capacity_bytes, host_capacity_bytes, rules, eviction,
                                        checkpoint_grid=checkpoint_grid)
-        self.served = 0
-        self.history = [(0, getattr(eviction, "alpha", 0.0), eviction.name)]
 
-    def serve(self, request: Request) -> Outcome:
-        cache, inp = self.cache, request.input_tokens
-        lookup = cache.lookup(inp)
-        seq = np.concatenate((inp, np.asarray(request.output_tokens, dtype=np.int64)))
-        admitted = cache.admit(seq, lookup.checkpoint_at)
-        self.served += 1
-        if self.tuner is not None:
-            choice = self.tuner.observe(request.session_id, inp, request.output_tokens, sequence=seq)
-            if choice is not None:
-                adopt_choice(cache, choice)
-                e = cache.eviction
-                self.history.append((self.served, getattr(e, "alpha", 0.0), e.name))
+    def _admit(self, seq: np.ndarray, lookup, input_len: int) -> int:
+        return self.cache.admit(seq, lookup.checkpoint_at)
+
+    @staticmethod
+    def _outcome(request: Request, lookup, admitted: int) -> Outcome:
         return Outcome(request.input_len, lookup.hit_tokens, lookup.overlap_tokens, admitted,
                        host_hit_tokens=lookup.host_hit_tokens, loaded_bytes=lookup.loaded_bytes)
-
-    def stats(self) -> PolicyStats:
-        c = self.cache
-        return PolicyStats(
-            kv_tokens_cached=c.kv_tokens,
-            ssm_states_cached=c.ssm_states,
-            bytes_used=c.used_bytes,
-            evictions_leaf=c.counters.evictions_leaf,
-            evictions_intermediate=c.counters.evictions_single_child,
-            admissions_skipped=c.counters.admissions_skipped,
-            alpha_history=[(at, alpha) for at, alpha, _ in self.history],
-            eviction_history=[(at, name) for at, _, name in self.history],
-            tuning_seconds=self.tuner.log.seconds if self.tuner else 0.0,
-        )
 
     def tier_summary(self) -> dict:
         """The host tier's size, contents at the end and traffic over the run."""

@@ -1,0 +1,560 @@
+"""The hybrid radix tree's mechanics, written once: KV per edge token, SSM states at node ends
+(paper §4), Marconi's admission (§4.1) and eviction walk (§4.2) with candidate upkeep.
+
+`TreeCore` holds every mechanic: lock, unlock, split, compress, add leaf, make room, evict,
+touch, the candidate index kept current on every edit (so choosing a victim never walks the
+tree), the hit and branch position of a lookup, the admission of a request's states (the one
+after its last token and the branch state speculative insertion finds), probationary states,
+snapshots and the invariant check. A cache is a configuration of it, filling a few hooks:
+
+- the edge kind, as `tree`: copied edges (`radix_tree.RadixTree`: an edge holds its tokens) or
+  referenced edges (`shadow_cache.ReferencedTree`: an edge is a span of the admitting request's
+  tokens). A tree provides `root`, `page_size`, `split`, `add_leaf(parent, *edge)`,
+  `remove_leaf`, `merge_into_child`, `nodes`, `edge_of`, `restore_leaf(parent, *edge)` (a
+  snapshot's edge) and `check_node`.
+- the request form, as `_walk(request, n)`: the walk of the request's first n tokens as
+  (path, partial, partial_len, overlap) (`radix_tree.Walk`'s fields), and `_request_edge(request,
+  start, end)`: the edge arguments of a leaf holding tokens [start, end) of the request.
+- the budgets: one byte budget (`capacity_bytes` for KV and states), or `state_slots` (KV bytes
+  and a state count, as a serving engine's two pools). A host tier (`tiered_cache`) overrides
+  candidate upkeep, eviction, compression and the request flow where a second tier changes them.
+- `fixed_choice`: the eviction policy and its weight never change for the cache's life (the
+  tuner's shadows): the weight is read once, victims are asked of the index directly, and the
+  candidate index's value column is computed only where the choice ranks by it (alpha > 0). A
+  cache that may switch (`set_eviction`, or `adopt_choice` changing the weight in place) keeps
+  the column current and asks the policy at each eviction.
+
+Bytes: `kv_bytes_per_token` per cached token plus `ssm_state_bytes` per state, from the model
+profile; a model without SSM layers (`attention_only`) reuses any cached prefix, mid-edge too.
+Probation: with `probation=True` each admission also keeps, best effort, the state at the end of
+the request's input, in free room only; a hit confirms it, pressure evicts it first
+(`rules/probation.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
+from sglang_marconi.policy.rules.eviction.flop_aware import flops_saved_per_byte
+from sglang_marconi.policy.rules.probation import ProbationRegistry, evict_oldest_probationary
+
+# Policies whose `choose` is `candidates.lowest(alpha)` (LRU: alpha 0): under a fixed choice the
+# core asks the index directly, saving a call per eviction; any other policy is asked through `choose`.
+_CHOOSE_LOWEST = {FlopAwareEviction.choose, LruLeafEviction.choose, SegLenEviction.choose}
+
+
+@dataclass(frozen=True, slots=True)
+class TreeSnapshot:
+    """A picklable copy of a cache's contents: nodes in parent-first order."""
+
+    parents: list[int]  # index into the node list, -1 for a child of the root
+    edges: list[tuple]  # each node's edge as its tree keeps it (`edge_of`, the arguments of `restore_leaf`)
+    has_state: list[bool]
+    last_access: list[float]
+    clock: float
+    capacity_bytes: int
+    checkpoint_grid: int
+    page_size: int
+    state_slots: int | None = None
+    probation: tuple[int, ...] = ()  # indexes (in `parents` order) of probationary states, oldest first
+    keeps_probation: bool = False
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    evictions_leaf: int = 0
+    evictions_single_child: int = 0
+    admissions_skipped: int = 0
+
+
+class FlopsTable:
+    """profile.prefill_flops(start, end), remembered: a cache refreshes the same spans over and over."""
+
+    __slots__ = ("profile", "_flops")
+    LIMIT = 1 << 18
+
+    def __init__(self, profile):
+        self.profile = profile
+        self._flops: dict[tuple[int, int], float] = {}
+
+    def __call__(self, start: int, end: int) -> float:
+        flops = self._flops.get((start, end))
+        if flops is None:
+            if len(self._flops) >= self.LIMIT:
+                self._flops.clear()
+            flops = self._flops[(start, end)] = self.profile.prefill_flops(start, end)
+        return flops
+
+
+def _stamp_recency(index, slot: int, clock: float) -> None:
+    index.last_access[slot] = clock
+
+
+def check_capacity(profile, capacity_bytes, state_slots) -> None:
+    """One line naming the bad value, for a budget that is no integer or that no admission fits."""
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, (int, np.integer)) or capacity_bytes <= 0:
+        raise MarconiError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
+    if state_slots is not None and (isinstance(state_slots, bool) or not isinstance(state_slots, (int, np.integer))
+                                    or state_slots < 2):
+        raise MarconiError(f"state_slots must be an integer >= 2 (one request's two states), got {state_slots!r}")
+    if state_slots is None and 2 * profile.ssm_state_bytes > capacity_bytes:
+        raise MarconiError(
+            f"capacity_bytes={capacity_bytes} is smaller than one request's two SSM states "
+            f"(2 x {profile.ssm_state_bytes} bytes for {profile.name})"
+        )
+
+
+class TreeCore:
+    """The mechanics; a configuration calls `_configure` from its constructor."""
+
+    def _configure(self, profile, capacity_bytes: int, eviction: EvictionPolicy, tree, index, *,
+                   checkpoint_grid: int = 1, state_slots: int | None = None, probation: bool = False,
+                   flops=None, fixed_choice: bool = False, counters=None) -> None:
+        if not isinstance(checkpoint_grid, int) or checkpoint_grid < 1:
+            raise MarconiError(f"checkpoint_grid must be a positive integer, got {checkpoint_grid!r}")
+        self.profile = profile
+        self.capacity_bytes = int(capacity_bytes)
+        self.state_slots = None if state_slots is None else int(state_slots)
+        self.checkpoint_grid = checkpoint_grid
+        self.kv_bytes_per_token = int(profile.kv_bytes_per_token)
+        self.ssm_state_bytes = int(profile.ssm_state_bytes)
+        # A pure Transformer needs no SSM state to reuse a prefix (the paper's pure-attention axis).
+        self.attention_only = self.ssm_state_bytes == 0
+        self.flops = flops if flops is not None else FlopsTable(profile)
+        self.tree = tree
+        self.index = index
+        touch = getattr(index, "touch", None)
+        self._stamp = touch if touch is not None else functools.partial(_stamp_recency, index)
+        self.kv_tokens = 0
+        self.ssm_states = 0
+        self.clock = 0.0
+        self.counters = counters if counters is not None else CacheCounters()
+        self.probation = probation
+        self._probation = ProbationRegistry()
+        self._fixed_choice = fixed_choice
+        self.eviction = None
+        self.set_eviction(eviction)
+
+    # -- accounting ------------------------------------------------------------------------------
+    def bytes_of(self, kv_tokens: int, states: int) -> int:
+        return kv_tokens * self.kv_bytes_per_token + states * self.ssm_state_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.bytes_of(self.kv_tokens, self.ssm_states)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    def _fits(self, kv_bytes: int, new_states: int) -> bool:
+        if self.state_slots is None:
+            return self.free_bytes >= kv_bytes + new_states * self.ssm_state_bytes
+        return (self.kv_tokens * self.kv_bytes_per_token + kv_bytes <= self.capacity_bytes
+                and self.ssm_states + new_states <= self.state_slots)
+
+    # -- the eviction choice ---------------------------------------------------------------------
+    def set_eviction(self, eviction: EvictionPolicy) -> None:
+        """Switch eviction policy (alpha tuning may move between LRU and FLOP-aware eviction)."""
+        if eviction is self.eviction:
+            return
+        self.eviction = eviction
+        self._evicts_single_child = eviction.evicts_single_child_nodes
+        value = getattr(eviction, "node_value", None)
+        # The candidate index's second column: FLOP efficiency, unless the policy brings its own.
+        self._node_value = self.flop_efficiency if value is None else functools.partial(value, self)
+        self._value_reaches_up = getattr(eviction, "value_reaches_up", False)
+        fixed_lowest = self._fixed_choice and type(eviction).choose in _CHOOSE_LOWEST
+        self._alpha = getattr(eviction, "alpha", 0.0) if fixed_lowest else None
+        # At alpha 0 (LRU, FLOP-aware at 0) the second column ranks nothing and is never read.
+        self._ranks_by_value = bool(self._alpha) if self._fixed_choice else True
+        for node in self.tree.nodes():
+            self._refresh(node)
+
+    def flop_efficiency(self, node) -> float:
+        """Eq. 1: FLOPs saved by reusing `node` rather than its parent, per byte its eviction
+        would free (a leaf frees KV and state, a single-child node only its state). A node
+        without a state saves nothing on its own, unless the model has no SSM layers."""
+        if not (node.has_state or self.attention_only):
+            return 0.0
+        return flops_saved_per_byte(self.flops(node.parent.end, node.end),
+                                    self.ssm_state_bytes if node.has_state else 0,
+                                    0 if node.children else (node.end - node.parent.end) * self.kv_bytes_per_token)
+
+    # -- candidate upkeep --------------------------------------------------------------------------
+    def _is_candidate(self, node) -> bool:
+        """An unlocked node with no child, or with one and a state where the policy evicts such
+        nodes (the root is always locked)."""
+        children = len(node.children)
+        return not node.lock_count and node.parent is not None and (
+            children == 0 or (children == 1 and node.has_state and self._evicts_single_child))
+
+    def _refresh(self, node) -> None:
+        """List, re-score or unlist `node` after any edit at it."""
+        if self._is_candidate(node):
+            value = self._node_value(node) if self._ranks_by_value else 0.0
+            if node.slot < 0:
+                node.slot = self.index.add(node, node.last_access, value)
+            else:
+                self.index.update(node.slot, node.last_access, value)
+        elif node.slot >= 0:
+            self._drop(node)
+        if self._value_reaches_up:
+            self._rescore_stated_ancestor(node)
+
+    def _rescore_stated_ancestor(self, node) -> None:
+        # A value that depends on the subtree (coverage) changes with any edit at or below `node`
+        # for the nearest ancestor holding a state; every edit refreshes the node it touched.
+        root = self.tree.root
+        above = node.parent
+        while above is not None and above is not root and not (above.has_state or self.attention_only):
+            above = above.parent
+        if above is not None and above is not root and above.slot >= 0:
+            self.index.update(above.slot, above.last_access, self._node_value(above))
+
+    def _drop(self, node) -> None:
+        if node.slot < 0:
+            return
+        moved = self.index.remove(node.slot)
+        if moved is not None:
+            moved.slot = node.slot
+        node.slot = -1
+
+    def _touch(self, node) -> None:
+        self.clock += 1.0
+        node.last_access = self.clock
+        if node.slot >= 0:
+            self._stamp(node.slot, self.clock)
+
+    def _touch_hit(self, path: list, hit_node) -> None:
+        if self.eviction.refresh_matched_path:
+            for node in path:
+                self._touch(node)
+        elif hit_node is not self.tree.root:
+            self._touch(hit_node)
+
+    # -- tree edits that keep the candidate index current ----------------------------------------
+    def _split(self, child, k: int):
+        head = self.tree.split(child, k)
+        self._refresh(head)
+        self._refresh(child)
+        return head
+
+    def _add_leaf(self, parent, *edge):
+        leaf = self.tree.add_leaf(parent, *edge)
+        self.kv_tokens += leaf.end - parent.end
+        leaf.last_access = self.clock
+        self._refresh(leaf)
+        self._refresh(parent)
+        return leaf
+
+    def _compress(self, node) -> None:
+        # A stateless node with one child holds nothing an eviction could free: fold it away.
+        if node.lock_count == 0 and not node.has_state and len(node.children) == 1:
+            self._drop(node)
+            self._refresh(self.tree.merge_into_child(node))
+
+    def _node_at(self, request, pos: int):
+        """The node ending at `pos` on the request's path, its edge split there if need be."""
+        path, partial, partial_len, overlap = self._walk(request, pos)
+        assert overlap == pos, "admitted positions lie on the inserted path"
+        return self._split(partial, partial_len) if partial else path[-1]
+
+    # -- locks -----------------------------------------------------------------------------------
+    def lock(self, node) -> None:
+        """Protect `node` and its ancestors from eviction (an in-flight request uses them)."""
+        root = self.tree.root
+        while node is not root:
+            node.lock_count += 1
+            if node.lock_count == 1:
+                self._refresh(node)
+            node = node.parent
+
+    def unlock(self, node) -> None:
+        root = self.tree.root
+        while node is not None and node is not root:
+            if node.lock_count <= 0:
+                raise MarconiError(f"unlock of {node!r} which is not locked")
+            node.lock_count -= 1
+            parent = node.parent
+            if node.lock_count == 0:
+                self._refresh(node)
+                if not node.has_state and len(node.children) == 1:  # what `_compress` asks first
+                    self._compress(node)
+            node = parent
+
+    # -- eviction --------------------------------------------------------------------------------
+    def _make_room(self, kv_bytes: int, new_states: int) -> bool:
+        kv_per = self.kv_bytes_per_token
+        if self.state_slots is None:
+            needed = kv_bytes + new_states * self.ssm_state_bytes
+            if needed > self.capacity_bytes:
+                return False
+            while self.capacity_bytes - self.kv_tokens * kv_per - self.ssm_states * self.ssm_state_bytes < needed:
+                if not self._evict_one():
+                    return False
+            return True
+        kv_room = self.capacity_bytes - kv_bytes
+        state_room = self.state_slots - new_states
+        if kv_room < 0 or state_room < 0:
+            return False
+        while self.kv_tokens * kv_per > kv_room or self.ssm_states > state_room:
+            if not self._evict_one():
+                return False
+        return True
+
+    def _evict_one(self) -> bool:
+        if self._probation and self._evict_probationary():
+            return True
+        if not self.index.items:
+            return False
+        alpha = self._alpha
+        self.evict(self.eviction.choose(self.index) if alpha is None else self.index.lowest(alpha))
+        return True
+
+    def _evict_probationary(self) -> bool:
+        """Drop the oldest unlocked probationary state (and what only it kept); False if none."""
+        return evict_oldest_probationary(self)
+
+    def evict(self, node) -> None:
+        """Evict one candidate: a leaf frees its KV and state; a single-child node frees its
+        state and its edge is absorbed by its child."""
+        assert node.slot >= 0, f"{node!r} is not an eviction candidate"
+        self._probation.forget(node)
+        self._drop(node)
+        if node.has_state:
+            node.has_state = False
+            self.ssm_states -= 1
+        if node.children:
+            self.counters.evictions_single_child += 1
+            self._refresh(self.tree.merge_into_child(node))
+            return
+        self.counters.evictions_leaf += 1
+        self.kv_tokens -= node.end - node.parent.end
+        parent = self.tree.remove_leaf(node)
+        self._refresh(parent)
+        self._compress(parent)
+
+    # -- lookup ----------------------------------------------------------------------------------
+    def _hit(self, path: list, partial, overlap: int, input_len: int):
+        """The hit of an input whose walk is (path, partial, overlap), refreshing recency:
+        (hit tokens, branch position to checkpoint during prefill or None, hit node). At least one
+        input token is always left to prefill."""
+        limit = input_len - 1
+        hit_node = self.tree.root
+        attention_only = self.attention_only
+        for node in path:
+            if node.end > limit:
+                break
+            if node.has_state or attention_only:
+                hit_node = node
+        self._touch_hit(path, hit_node)
+        if attention_only:  # no SSM layers: any cached prefix is reusable, mid-edge too
+            hit = overlap if overlap < limit else limit
+            return hit - hit % self.tree.page_size, None, hit_node
+        if self._probation:
+            self._probation.confirm(hit_node)  # a hit confirms a probationary state
+        hit = hit_node.end
+        branch = self._branch_target(path, partial, overlap, limit)
+        return hit, (branch if branch is not None and branch > hit else None), hit_node
+
+    def _branch_target(self, path: list, partial, overlap: int, limit: int) -> int | None:
+        """Where inserting the input creates a new intermediate node (it leaves an edge midway, or
+        adds a sibling under a node that has children but no state), capped like a hit and floored
+        to the checkpoint grid, as SGLang computes its branching position; None if nowhere."""
+        if partial is None:
+            last = path[-1] if path else None
+            if last is None or not last.children or last.has_state:
+                return None
+        branch = overlap if overlap < limit else limit
+        return branch - branch % self.checkpoint_grid
+
+    # -- admission -------------------------------------------------------------------------------
+    def _admitted_positions(self, n: int, checkpoint_at: int | None) -> list[int]:
+        """Where a request of n (page-aligned) tokens admits states: its end and its branch."""
+        if self.attention_only:  # no SSM layers: nothing to checkpoint
+            return []
+        if checkpoint_at is not None and 0 < checkpoint_at < n and checkpoint_at % self.tree.page_size == 0:
+            return [int(checkpoint_at), n]
+        return [n]
+
+    def _admit(self, request, n: int, walk, checkpoint_at: int | None, probation_at: int | None) -> int:
+        """Cache the request's first n tokens (page-aligned, n > 0; `walk` their walk) with an SSM
+        state at n and at `checkpoint_at`; evict to make room. Returns the number of states
+        admitted (<= 2, plus a probationary one), 0 if the request could not fit."""
+        path, partial, partial_len, overlap = walk
+        positions = self._admitted_positions(n, checkpoint_at)
+        new_states = 0
+        for pos in positions:
+            if not _state_on(path, pos):
+                new_states += 1
+        # Lock what the request reuses, the nodes it matched whole (as SGLang locks a running
+        # request's prefix), not the edge it leaves mid-way: that edge (another request's private
+        # tail) may be evicted for room like any leaf, and the request then caches those tokens
+        # itself, so room is made again for them.
+        deepest = path[-1] if path else None
+        if deepest is not None:
+            self.lock(deepest)
+        try:
+            while True:
+                if not self._make_room((n - overlap) * self.kv_bytes_per_token, new_states):
+                    self.counters.admissions_skipped += 1
+                    return 0
+                if partial is None:
+                    break  # the whole path is locked: nothing on it moved
+                before = overlap
+                path, partial, partial_len, overlap = self._walk(request, n)  # the edge may be gone or merged
+                if overlap == before:
+                    break
+            # The nodes along the request's path from here on: locked, so evictions left them whole.
+            spine = list(path)
+            if n > overlap:
+                attach = self._split(partial, partial_len) if partial else (path[-1] if path else self.tree.root)
+                if partial:
+                    spine.append(attach)
+                spine.append(self._add_leaf(attach, *self._request_edge(request, overlap, n)))
+            elif partial:
+                spine.append(partial)
+            admitted = 0
+            for pos in positions:
+                node = self._node_on(spine, pos)
+                if not node.has_state:
+                    node.has_state = True
+                    self.ssm_states += 1
+                    admitted += 1
+                elif self._probation:
+                    self._probation.confirm(node)  # a regular state where a probationary one was
+                self._touch(node)
+                self._refresh(node)
+            if (self.probation and probation_at is not None and positions and 0 < probation_at < n
+                    and probation_at % self.tree.page_size == 0 and probation_at not in positions):
+                admitted += self._admit_probationary(request, n, int(probation_at))
+            return admitted
+        finally:
+            if deepest is not None:
+                self.unlock(deepest)
+
+    def _node_on(self, spine: list, pos: int):
+        """The node ending at `pos` on the admitted path (`spine`, root side first), its edge split
+        there if `pos` falls inside it (`_node_at` without walking again). Searched from the deep
+        end, as `_state_on`."""
+        for j in range(len(spine) - 1, -1, -1):
+            node = spine[j]
+            if node.start < pos:
+                if node.end == pos:
+                    return node
+                head = self._split(node, pos - node.start)
+                spine.insert(j, head)
+                return head
+        raise AssertionError("admitted positions lie on the inserted path")
+
+    def _admit_probationary(self, request, n: int, pos: int) -> int:
+        """A probationary state at `pos`, if it fits without evicting anything but other
+        probationary states (the request's own path is locked meanwhile)."""
+        path, partial, _, _ = self._walk(request, pos)
+        node = path[-1] if partial is None and path else None
+        if node is not None and node.has_state:
+            return 0
+        full = self._walk(request, n)[0]
+        deepest = full[-1] if full else None
+        if deepest is not None:
+            self.lock(deepest)
+        try:
+            while not self._fits(0, 1) and self._evict_probationary():
+                pass
+            if not self._fits(0, 1):
+                return 0
+            node = self._node_at(request, pos)
+            node.has_state = True
+            self.ssm_states += 1
+            self._probation.add(node)
+            self._refresh(node)
+            return 1
+        finally:
+            if deepest is not None:
+                self.unlock(deepest)
+
+    # -- snapshots (alpha tuning replays a window from one) ---------------------------------------
+    def snapshot(self) -> TreeSnapshot:
+        order: dict[int, int] = {}
+        parents, edges, has_state, last_access = [], [], [], []
+        root = self.tree.root
+        edge_of = self.tree.edge_of
+        for node in self.tree.nodes():
+            order[node.id] = len(parents)
+            parents.append(order[node.parent.id] if node.parent is not root else -1)
+            edges.append(edge_of(node))
+            has_state.append(node.has_state)
+            last_access.append(node.last_access)
+        return TreeSnapshot(parents, edges, has_state, last_access, self.clock, self.capacity_bytes,
+                            self.checkpoint_grid, self.tree.page_size, self.state_slots,
+                            tuple(order[n.id] for n in self._probation), self.probation)
+
+    def _restore(self, snap: TreeSnapshot) -> None:
+        """Rebuild an empty cache's contents from `snap`."""
+        built: list = []
+        root = self.tree.root
+        restore_leaf = self.tree.restore_leaf
+        for parent_idx, edge, state, stamp in zip(snap.parents, snap.edges, snap.has_state, snap.last_access):
+            parent = root if parent_idx < 0 else built[parent_idx]
+            node = restore_leaf(parent, *edge)
+            node.has_state, node.last_access = state, stamp
+            self.kv_tokens += node.end - parent.end
+            self.ssm_states += state
+            built.append(node)
+        self.clock = snap.clock
+        self._probation = ProbationRegistry.of(built[i] for i in snap.probation)
+        for node in built:
+            self._refresh(node)
+
+    # -- checking --------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any bookkeeping disagrees with the tree."""
+        kv = states = 0
+        candidates = set()
+        for node in self.tree.nodes():
+            kv += node.end - node.parent.end
+            states += node.has_state
+            self.tree.check_node(node)
+            if self._is_candidate(node):
+                candidates.add(node.id)
+                assert self.index.items[node.slot] is node, node
+            else:
+                assert node.slot < 0, node
+            assert node.has_state or len(node.children) != 1 or node.lock_count, f"uncompressed {node!r}"
+        assert kv == self.kv_tokens and states == self.ssm_states
+        for node in self._probation:
+            assert node.has_state and node.parent is not None, f"stale probationary state {node!r}"
+        assert self.probation or not self._probation
+        assert candidates == {n.id for n in self.index.items}
+        if self.state_slots is None:
+            assert self.used_bytes <= self.capacity_bytes
+        else:
+            assert self.kv_tokens * self.kv_bytes_per_token <= self.capacity_bytes and self.ssm_states <= self.state_slots
+
+
+def _state_on(path: list, pos: int) -> bool:
+    """Whether a node of `path` (root side first) ends at `pos` with a state. Searched from the
+    deep end: the admitted positions are the request's end and its branch, near the end."""
+    for j in range(len(path) - 1, -1, -1):
+        node = path[j]
+        if node.end <= pos:
+            return node.end == pos and node.has_state
+    return False
+
+
+class TokenArrayRequests:
+    """The request form of a copied-edge tree (`radix_tree.RadixTree`): a token array."""
+
+    def _walk(self, seq, n: int):
+        walk = self.tree.walk(seq[:n] if n < len(seq) else seq)
+        return walk.path, walk.partial, walk.partial_len, walk.overlap
+
+    @staticmethod
+    def _request_edge(seq, start: int, end: int) -> tuple:
+        return (seq[start:end],)

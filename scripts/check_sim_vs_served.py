@@ -9,7 +9,8 @@ Replays one trace (any format the simulator reads, token ids where it has them) 
 
 - served: SGLang 0.5.23's real radix cache with the `marconi` backend as the server builds it
   (`tests/serving/sglang_cpu.py`: our FULL/MAMBA components, admission, cache class and runtime;
-  the scheduler hooks the plugin registers), each request through the scheduler's calls: match
+  the scheduler hooks the plugin registers), each request, naming its trace session as a client
+  does (`session_id`: what the tuner samples and clusters by), through the scheduler's calls: match
   with the Mamba copy-on-write, lock, request and KV slot allocation (evicting), prefill in chunks
   of `--chunked-prefill-size` (Marconi's two-pass chunk ends; `checkpoint_kv_cache` after each
   non-final chunk), the first token, `checkpoint_kv_cache`, the decode's KV (one allocation: the
@@ -248,7 +249,8 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
         served.paths.append(_served_path(cc, r.input_tokens))
         sim.paths.append(policy.cache.states_on_path(r.input_tokens[: r.input_len - 1]))
         _, hit = run_request(cc, r.input_tokens.tolist(), r.output_len, chunk_size=chunk,
-                             out_tokens=r.output_tokens.tolist(), chunk_end=chunk_end_for_branch, decode_at_once=True)
+                             out_tokens=r.output_tokens.tolist(), chunk_end=chunk_end_for_branch, decode_at_once=True,
+                             session_id=r.session_id)
         served.hits.append(hit)
         if runtime.settings.choice != adopted:
             adopted = runtime.settings.choice
@@ -310,7 +312,12 @@ def run_swa(requests, profile_name: str, kv_tokens: int, swa_tokens: int, chunk:
     cc, runtime = build_marconi_swa_serving(config, profile, kv_size=kv_tokens, swa_size=swa_tokens,
                                             max_context_len=max(4096, 2 * longest))
     policy = served_marconi_swa(profile, kv_tokens, swa_tokens, alpha=None if tuned else float(alpha),
-                                tuning=config.tuning() if tuned else None, sync_every=sync_every)
+                                tuning=config.tuning() if tuned else None, sync_every=sync_every, chunk_size=chunk)
+    # SGLang's time counter is process-wide; recency is what the rule ranks by (min-max, where a node never
+    # stamped counts 0): start it where the model's starts, as in a freshly started server.
+    from sglang.srt.mem_cache.unified_cache.components import base as sglang_components
+
+    sglang_components._LAST_ACCESS_TIME_COUNTER_FLOAT = float(policy.cache.clock)
     tuner = shadow_hits = None
     if shadows:
         spec = runtime.tuner_spec(cc.cache)
@@ -324,7 +331,7 @@ def run_swa(requests, profile_name: str, kv_tokens: int, swa_tokens: int, chunk:
     for i, r in enumerate(requests):
         f, c = cc.settings.figures, policy.cache.counters
         evicted_served.append(f.evictions_stale + f.evictions_window + f.evictions_leaf + f.evictions_fallback)
-        evicted_sim.append(c.evictions_leaf + c.evictions_window + c.window_trims)
+        evicted_sim.append(c.evictions_stale + c.evictions_window + c.evictions_leaf + c.evictions_fallback)
         served.hits.append(run_swa_request(cc, r.input_tokens.tolist(), r.output_tokens.tolist(), chunk_size=chunk))
         if runtime.settings.choice != adopted:
             adopted = runtime.settings.choice
@@ -349,7 +356,7 @@ def run_swa(requests, profile_name: str, kv_tokens: int, swa_tokens: int, chunk:
             cause = (f"evictions before it: served {evicted_served[i]} (SGLang's SWA tree: stale segments, branch "
                      f"windows, leaves by window_plan; all run: stale {f.evictions_stale}, window "
                      f"{f.evictions_window}, leaf {f.evictions_leaf}, fallback {f.evictions_fallback}), simulated "
-                     f"{evicted_sim[i]} (window_cache's own ranking: {policy.cache.counters})")
+                     f"{evicted_sim[i]} (the model of that tree: {policy.cache.counters})")
         if [x for x in served.choices if x[0] <= i] != [x for x in sim.choices if x[0] <= i]:
             cause += f"; choices adopted differ: served {served.choices[:6]}, simulated {sim.choices[:6]}"
         first = {"request": i, "served": int(a[i]), "sim": int(b[i]), "cause": cause}

@@ -2,12 +2,12 @@
 through a shared-memory ring, whose decisions take effect at fixed points of the request stream.
 
 - Channel: a byte ring in shared memory (`shared_ring.py`): the scheduler copies each sampled
-  request's token buffers into it (a few microseconds: no system call, no lock, no helper thread
+  request's (`shadow_tuner.tuner_reads`) token buffers into it (a few microseconds: no system call, no lock, no helper thread
   to contend for the GIL). Requests are handed over 16 at a time, and a partial batch as soon as
   the scheduler goes idle (`flush_idle`) or its oldest request has waited `_HANDOVER_S`.
 - Sync points: the child records its choice *as of* every `sync_every`-th request of the stream
   (`choice_at(k)`: after exactly `k * sync_every` requests). The runtime asks for `choice_at(k - 1)`
-  at release `k * sync_every`, so while the child keeps within one interval of the scheduler,
+  at release `k * sync_every` (`shadow_tuner.record_adopted_at`), so while the child keeps within one interval of the scheduler,
   which choice is in force at every point of the stream is a function of the requests alone (two
   runs fed the same stream switch at the same requests). The scheduler never waits for the child
   longer than `wait_s` there (a late verdict is None: the runtime keeps its choice and asks again
@@ -39,8 +39,7 @@ from array import array
 
 import numpy as np
 
-from sglang_marconi.policy.tuning.sampling import session_in_sample
-from sglang_marconi.policy.tuning.shadow_tuner import Choice, ShadowTuner, SyncRecorder, TunerLog, choice_label
+from sglang_marconi.policy.tuning.shadow_tuner import Choice, ShadowTuner, SyncRecorder, TunerLog, choice_label, tuner_reads
 from sglang_marconi.policy.tuning.tuner_spec import TunerSpec
 from sglang_marconi.serving.shared_ring import SharedRing, fence
 
@@ -144,10 +143,9 @@ class BackgroundShadowTuner:
         batch, self._batch = self._batch, []
         if self._closed:
             return
-        rate = self.config.sample_rate
         for session_key, input_ids, output_ids in batch:
             self._since_sent += 1
-            if rate < 1 and not session_in_sample(session_key, rate):
+            if not tuner_reads(self.config, session_key):
                 continue
             key = session_key.encode("utf-8", "backslashreplace")  # a client's rid need not be valid UTF-8
             inp, out = _int64_buffer(input_ids), _int64_buffer(output_ids)

@@ -11,7 +11,10 @@ previous sync point* (waiting for the tuner at most `sync_wait_s`, counted in
 `marconi_sync_waits_late`; a late verdict keeps the choice in force and is taken at a later sync
 point) and, where it changes something, sends a `lockstep.Directive`: a rank alone applies it at
 once; in a TP / PP group it travels with the next iteration's requests and every rank applies it
-at the same point of its stream (`group_channel.py`). No rank ever waits on another.
+at the same point of its stream (`group_channel.py`). No rank ever waits on another. What the
+tuner is fed (`tuner_session_key`, `shadow_tuner.tuner_reads`) and which record a sync point takes
+(`shadow_tuner.sync_point_of`, `record_adopted_at`, `ServedTuning`) are the functions the simulator's model of
+this runtime calls too.
 
 What fails here never touches the tree (`faults.py`, rank-local): the tuner feed and the idle
 flush stop tuning (the leader tells the group), the figures and the exporter stop the metrics.
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_marconi.policy.tuning.shadow_tuner import Choice
+from sglang_marconi.policy.tuning.shadow_tuner import Choice, record_adopted_at, sync_point_of
 from sglang_marconi.policy.tuning.tuner_spec import TunerSpec
 from sglang_marconi.serving.cache_state import request_state
 from sglang_marconi.serving.lockstep import Directive, GroupChannel, LocalChannel, RankGroup
@@ -66,19 +69,16 @@ class InlineShadowTuner:
     late = 0
 
     def __init__(self, spec, *, sync_every: int = 32):
-        from sglang_marconi.policy.tuning.shadow_tuner import SyncRecorder
+        from sglang_marconi.policy.tuning.shadow_tuner import ServedTuning
 
         self.tuner = spec.build()
         self.choices = spec.choices
         self.fed = 0
-        self._table: dict[int, int] = {}
-        self._recorder = SyncRecorder(self.tuner, sync_every, self._table.__setitem__)
-        self._recorder.advance(0)
+        self._tuning = ServedTuning(self.tuner, sync_every)
 
     def observe(self, session_key: str, input_ids, output_ids) -> None:
         self.fed += 1
-        self.tuner.observe(session_key, np.asarray(input_ids, dtype=np.int64), np.asarray(output_ids, dtype=np.int64))
-        self._recorder.advance(self.tuner.log.requests)
+        self._tuning.feed(session_key, np.asarray(input_ids, dtype=np.int64), np.asarray(output_ids, dtype=np.int64))
 
     def mark_sync(self) -> None:
         pass
@@ -87,10 +87,7 @@ class InlineShadowTuner:
         pass
 
     def choice_at(self, k: int, wait_s: float | None = None) -> Choice | None:
-        index = self._table.pop(k, None)
-        for old in [j for j in self._table if j < k]:
-            del self._table[old]
-        return None if index is None else self.choices[index]
+        return self._tuning.take(k)
 
     @property
     def observed(self) -> int:
@@ -207,8 +204,9 @@ class MarconiRuntime:
         self.report("on_release", self._account, req)
         self._feed_tuner(req)
         self.released += 1
-        if self.released % self.sync_every == 0:
-            self._sync_point(self.released // self.sync_every)
+        k = sync_point_of(self.released, self.sync_every)
+        if k is not None:
+            self._sync_point(k)
         self._publish()
 
     def _account(self, req) -> None:
@@ -232,7 +230,7 @@ class MarconiRuntime:
             return
         try:
             # SGLang caches input + output[:-1]: the last decoded token was never fed back (no KV).
-            tuner.observe(str(req.session_id or req.rid), req.origin_input_ids, req.output_ids[:-1])
+            tuner.observe(tuner_session_key(req), req.origin_input_ids, req.output_ids[:-1])
         except Exception as exc:
             self._tuner_broke("the tuner feed", exc)
 
@@ -257,8 +255,9 @@ class MarconiRuntime:
 
     # -- sync points -----------------------------------------------------------------------------
     def _sync_point(self, k: int) -> None:
-        """Sync point k (release k * sync_every). Only the leader's tuner decides; the decision
-        reaches every rank as a directive."""
+        """Sync point k (release k * sync_every), which adopts the tuner's record
+        `record_adopted_at(k)`. Only the leader's tuner decides; the decision reaches every rank
+        as a directive."""
         tuner = self.tuner
         if tuner is None or not self._tuning:
             return
@@ -268,7 +267,7 @@ class MarconiRuntime:
             started = time.monotonic()
             try:
                 tuner.mark_sync()
-                decided = tuner.choice_at(k - 1, wait_s=self.sync_wait_s)
+                decided = tuner.choice_at(record_adopted_at(k), wait_s=self.sync_wait_s)
             except Exception as exc:
                 self._tuner_broke("the tuner at a sync point", exc)
                 why = self.faults.rank_local_failures.get(TUNING)
@@ -474,6 +473,13 @@ def speculative_skip(req) -> bool:
     `_mamba_can_cache_finished_req`), so the state in its slot, which cannot be shortened, covers
     tokens the client never sees. Neither SGLang nor Marconi caches any of it."""
     return bool(getattr(req, "skip_radix_cache_insert", False)) and req.finished()
+
+
+def tuner_session_key(req) -> str:
+    """What the tuner samples and clusters a request by: the session the client named
+    (`session_id` of SGLang's generate and OpenAI requests), else the request alone (its rid).
+    The simulator keys by the trace's sessions: it models clients that name them."""
+    return str(req.session_id or req.rid)
 
 
 def _states_in_tree(cache) -> int:

@@ -39,7 +39,8 @@ shadow cache per candidate choice, all kept running on the same sample of sessio
   requests of patience: value-first evictions started from a recency-shaped cache often gain at
   first and lose later) before the live cache adopts the proposal; the adopted trial, the live
   cache's stand-in, is guarded against the anchor. A caller that passes only sampled requests
-  (the server at rate < 1) gets the sampled rule alone.
+  (the served runtime at rate < 1, and the simulator's model of it: `ServedTuning`) gets the
+  sampled rule alone.
 
 Cost: every cache the tuner runs (shared shadow, shadows, miniatures, the verifier's) is a
 `ShadowCache` (`policy/tree/shadow_cache.py`): `HybridPrefixCache`'s admission and eviction step for
@@ -50,7 +51,9 @@ two arms it compares only (`GuardSums`), and not at all while the safe choice is
 The tuner never touches the live cache: `observe()` returns the new choice when it switches and
 the caller adopts it (`adopt_choice` for the policy core's cache, the serving runtime for
 SGLang's). Decisions depend only on the stream of (session, input, output), so the simulator
-and the server make the same ones for the same stream.
+and the server make the same ones for the same stream. The served runtime's protocol is written
+once here for both: what it feeds (`tuner_reads`, `ServedTuning.feed`) and at which release a
+decision takes effect (`sync_point_of`, `record_adopted_at`).
 """
 
 from __future__ import annotations
@@ -683,21 +686,86 @@ class ServedShadow:
         self.cache.check_invariants()
 
 
-class SyncRecorder:
-    """The choice in force after exactly every `sync_every`-th request, for a tuner fed every
-    request in order: what a sync point of the server adopts (`serving/runtime.py`: at release
-    k x sync_every, the choice as of release (k - 1) x sync_every). Used by the background tuner's
-    child process, the inline tuner and the simulator's model of the served runtime."""
+def sync_point_of(released: int, sync_every: int) -> int | None:
+    """k where the `released`-th release is sync point k (release k x `sync_every`), else None."""
+    if released <= 0 or released % sync_every:
+        return None
+    return released // sync_every
 
-    def __init__(self, tuner: ShadowTuner, sync_every: int, record):
+
+def record_adopted_at(sync_point: int) -> int:
+    """The sync record that sync point k adopts: k - 1, the tuner's choice as of the previous sync
+    point (a background tuner has a whole interval to get there, so which choice is in force at
+    every release is a function of the request stream alone). With `sync_point_of`, the one rule
+    for when a tuned choice takes effect, in the server (`serving/runtime.py`, inline or background
+    tuner) and in the simulator's model of it (`ServedTuning`, `sim/baselines/served.py`)."""
+    return sync_point - 1
+
+
+def tuner_reads(config, session_key: str) -> bool:
+    """Whether the served runtime hands the tuner this session's requests: those of its sample
+    only (the rest are counted, not sent). A tuner so fed runs the sampled rule alone
+    (`ShadowTuner`: no verifier beyond the sample)."""
+    return config.sample_rate >= 1 or session_in_sample(session_key, config.sample_rate)
+
+
+class SyncRecorder:
+    """Records the tuner's choice as of every `sync_every`-th request of the stream (sync record
+    k: after exactly k x `sync_every` requests) with `record(k, choice index)`."""
+
+    def __init__(self, tuner, sync_every: int, record):
         self.tuner, self.sync_every, self.record = tuner, sync_every, record
-        self.next_k = 0  # the next sync point to record
+        self.next_k = 0  # the next sync record to write
 
     def advance(self, requests: int) -> None:
         """Record every sync point up to `requests` with the tuner's current choice."""
         while self.next_k * self.sync_every <= requests:
             self.record(self.next_k, self.tuner.choices.index(self.tuner.current))
             self.next_k += 1
+
+
+class ServedTuning:
+    """The served runtime's tuning protocol on one thread: what the tuner is fed (every release in
+    order; `tuner_reads` sessions observed, the others counted) and its sync records, kept until a
+    sync point takes them. The inline tuner (`serving/runtime.py`) and the simulator's served model
+    run this; the background tuner splits it between the scheduler (`tuner_reads`) and its child
+    (`SyncRecorder`), to the same records. For any tuner with `observe`, `choices`, `current`, `log`."""
+
+    def __init__(self, tuner, sync_every: int):
+        self.tuner, self.sync_every = tuner, sync_every
+        self._records: dict[int, int] = {}
+        self._recorder = SyncRecorder(tuner, sync_every, self._records.__setitem__)
+        self._recorder.advance(0)
+
+    def feed(self, session_key: str, input_tokens, output_tokens, *, sequence: np.ndarray | None = None) -> None:
+        """One release: `output_tokens` what the cache keeps of its output (`sequence`: input + it,
+        already joined, for a `ShadowTuner`)."""
+        tuner = self.tuner
+        if tuner_reads(tuner.config, session_key):
+            if sequence is None:
+                tuner.observe(session_key, input_tokens, output_tokens)
+            else:
+                tuner.observe(session_key, input_tokens, output_tokens, sequence=sequence)
+        else:
+            tuner.log.requests += 1  # counted where it falls in the stream, as the background child counts it
+        self.advance(tuner.log.requests)
+
+    def advance(self, requests: int) -> None:
+        """Write the sync records up to `requests` fed (`feed` does; for a caller that feeds the
+        tuner itself)."""
+        self._recorder.advance(requests)
+
+    def take(self, k: int) -> Choice | None:
+        """Sync record k's choice (None if the tuner has not got there), dropping older ones."""
+        index = self._records.pop(k, None)
+        for old in [j for j in self._records if j < k]:
+            del self._records[old]
+        return None if index is None else self.tuner.choices[index]
+
+    def adopted_after(self, released: int) -> Choice | None:
+        """The choice a sync point adopts after the `released`-th release (None: no sync point)."""
+        k = sync_point_of(released, self.sync_every)
+        return None if k is None else self.take(record_adopted_at(k))
 
 
 class _Miniatures:

@@ -4,11 +4,13 @@ backend, modeled request by request (`policy/tree/served_cache.py`), on the pool
 
 `sglang+` is the backend's `lru` choice (Marconi's admission, SGLang's LRU eviction), `marconi:A`
 FLOP-aware eviction at alpha A, `marconi` the choice tuned online as the served runtime tunes it
-(`serving/runtime.py`): every request's kept tokens (input + output[:-1]) are fed to a
-`ShadowTuner` whose shadows model the same pools (at sample rate 1 the shadow of the choice in force
-predicts this cache exactly), and its choice is adopted at sync points only: at request
-k x `sync_every`, the choice the tuner held at request (k - 1) x `sync_every` (`SyncRecorder`), which
-is what a server with an inline tuner adopts.
+(`serving/runtime.py`), by the same protocol (`shadow_tuner.ServedTuning`): every request's kept
+tokens (input + output[:-1]) fed in order to a `ShadowTuner` whose shadows model the same pools
+(at sample rate 1 the shadow of the choice in force predicts this cache exactly), keyed by the
+trace's session (what a server keys by when clients name their sessions:
+`runtime.tuner_session_key`), and its choice adopted at sync points only
+(`shadow_tuner.sync_point_of`, `record_adopted_at`: at release k x `sync_every`, the choice the tuner held at
+release (k - 1) x `sync_every`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from sglang_marconi.policy.tree.served_cache import ServedCache, ServedPools
-from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, ShadowTuner, SyncRecorder, eviction_for
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, ShadowTuner, ServedTuning, eviction_for
 from sglang_marconi.sim.policy_api import Outcome, PolicyStats
 from sglang_marconi.sim.workload import Request
 
@@ -26,10 +28,10 @@ class ServedPolicy:
                  probation: bool = True, sync_every: int = 32, record: bool = False):
         self.name = name
         self.pools = pools
-        self.tuner = self.sync = None
+        self.tuner = self.tuning = None
         if tuning is not None:
             self.tuner = ShadowTuner(profile, 1, tuning, probation=probation, served=pools)
-            self.sync = SyncPoints(self.tuner, sync_every)
+            self.tuning = ServedTuning(self.tuner, sync_every)
             choice = self.tuner.current
         self.sync_every = sync_every
         self.cache = ServedCache(profile, pools, choice, probation=probation, record=record)
@@ -44,9 +46,9 @@ class ServedPolicy:
         outcome = self.cache.serve_kept(seq, len(inp))
         self.served += 1
         self.hits.append(outcome.hit_tokens)
-        if self.tuner is not None:
-            self.tuner.observe(request.session_id, inp, out[:-1], sequence=seq)
-            choice = self.sync.adopt(self.served, self.tuner.log.requests)
+        if self.tuning is not None:
+            self.tuning.feed(request.session_id, inp, out[:-1], sequence=seq)
+            choice = self.tuning.adopted_after(self.served)
             if choice is not None and choice != self.cache.choice:
                 self.cache.set_choice(choice)
                 self.history.append((self.served, self.cache.choice))
@@ -69,28 +71,15 @@ class ServedPolicy:
         )
 
 
-class SyncPoints:
-    """When the server adopts a tuner's choice: at request k x `sync_every` (a sync point), the
-    choice the tuner held at request (k - 1) x `sync_every` (`SyncRecorder`), as a server with an
-    inline tuner does (`serving/runtime.py`). For any tuner with `choices` and `current`."""
-
-    def __init__(self, tuner, sync_every: int):
-        self.tuner, self.sync_every = tuner, sync_every
-        self._synced: dict[int, int] = {}
-        self._recorder = SyncRecorder(tuner, sync_every, self._synced.__setitem__)
-        self._recorder.advance(0)
+class SyncPoints(ServedTuning):
+    """The served runtime's sync points for a caller that feeds its tuner itself (any tuner with
+    `choices`, `current` and `log`)."""
 
     def adopt(self, served: int, observed: int):
         """After the `served`-th request (the tuner has observed `observed`): the choice a sync
         point adopts now, or None (no sync point here)."""
-        self._recorder.advance(observed)
-        if served % self.sync_every:
-            return None
-        k = served // self.sync_every
-        index = self._synced.pop(k - 1, None)
-        for old in [j for j in self._synced if j < k - 1]:
-            del self._synced[old]
-        return None if index is None else self.tuner.choices[index]
+        self.advance(observed)
+        return self.adopted_after(served)
 
 
 def served_capacity_bytes(profile, pools: ServedPools) -> int:

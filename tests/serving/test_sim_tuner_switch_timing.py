@@ -1,0 +1,92 @@
+"""The simulator adopts a tuned choice at the request the server does, switch after switch.
+
+The served runtime's tuning protocol (`serving/runtime.py`): every release fed to the tuner keyed by
+the session the client names, only the sessions of its sample handed over (`tuner_reads`), and at
+sync point k (release k x sync_every) the tuner's choice as of sync point k - 1 adopted. The
+simulator's model of the served cache (`sim/baselines/served.py`) must do the same: a key, a
+sample or a sync point apart, and its tuner switches at other requests and its hits part from the
+server's from there on.
+
+- `test_simulator_adopts_where_the_server_does`: SGLang's real cache with the `marconi` backend
+  and its inline tuner, against the simulator (`scripts/check_sim_vs_served.py`), on short traces
+  whose tuner switches early and more than once: the same choices at the same requests, every
+  request's hit identical.
+- `test_background_tuner_adopts_where_the_simulator_does_when_sampling`: at a sample rate below 1
+  the server's background tuner (its child process, fed the sampled sessions only) against the
+  simulator's tuner, on one stream: the same adoptions at the same requests.
+"""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sglang")
+
+from sglang_marconi.policy.cost.model_profile import load_profile  # noqa: E402
+from sglang_marconi.policy.tree.served_cache import ServedPools  # noqa: E402
+from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, choice_label  # noqa: E402
+from sglang_marconi.policy.tuning.tuner_spec import TunerSpec  # noqa: E402
+from sglang_marconi.sim.baselines.served import ServedPolicy  # noqa: E402
+from sglang_marconi.sim.synthetic import generate  # noqa: E402
+
+PROFILE = load_profile("nemotron-h-8b")
+
+
+def _check_script():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "check_sim_vs_served.py"
+    spec = importlib.util.spec_from_file_location("check_sim_vs_served", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
+    spec.loader.exec_module(module)
+    return module
+
+
+# (kind, generator parameters, KV tokens, Mamba slots, strategy, chunk, probation, sync_every):
+# tight pools on which the tuned choice switches early and again (the switches measured, below).
+SWITCHING = {
+}
+
+
+@pytest.mark.parametrize("name", list(SWITCHING))
+def test_simulator_adopts_where_the_server_does(name):
+    kind, params, kv, slots, strategy, chunk, probation, sync_every, switches = SWITCHING[name]
+    requests = list(generate(kind, **params))
+    report = _check_script().run(requests, "nemotron-h-8b", kv, slots, strategy, chunk, "auto", probation,
+                                 workload_name=name, sync_every=sync_every)
+    print("\n".join(report.lines()))
+    served, sim = report.config["served_choices"], report.config["sim_choices"]
+    assert len(served) >= 2 and served[0][0] <= 8 * sync_every, f"the tuner must switch early and again: {served}"
+    assert sim == served
+    assert report.agree == report.requests, "\n".join(report.lines())
+
+
+def test_background_tuner_adopts_where_the_simulator_does_when_sampling():
+    from sglang_marconi.serving.background_tuner import BackgroundShadowTuner
+
+    sync_every = 8
+    pools = ServedPools(4000, 10)
+    config = ShadowConfig(sample_rate=0.5)
+    requests = list(generate("lmsys", sessions=40, scale=0.1, seed=3))
+    sim = ServedPolicy("marconi", PROFILE, pools, tuning=config, probation=True, sync_every=sync_every)
+    tuner = BackgroundShadowTuner(TunerSpec("hybrid", PROFILE, 1, config, dict(probation=True, served=pools)),
+                                  sync_every=sync_every, put_wait_s=60.0)
+    served, in_force = [], config.start
+    try:
+        for i, r in enumerate(requests, 1):
+            sim.serve(r)
+            tuner.observe(r.session_id, r.input_tokens, np.asarray(r.output_tokens)[:-1])
+            if i % sync_every == 0:  # the runtime's sync point: the verdict as of the previous one
+                tuner.mark_sync()
+                decided = tuner.choice_at(i // sync_every - 1, wait_s=None)
+                assert tuner.failed is None, tuner.failed
+                if decided != in_force:
+                    in_force = decided
+                    served.append((i, choice_label(decided)))
+    finally:
+        tuner.close()
+    simulated = [(at, choice_label(c)) for at, c in sim.history[1:]]
+    assert served, "the tuner never switched: the test would prove nothing"
+    assert simulated == served

@@ -210,14 +210,16 @@ def _chunk_end(cc: CpuCache, chunk_end, req, end: int) -> int:
 
 
 def run_request(cc: CpuCache, tokens, n_out: int, chunk_size: int | None = None, out_tokens=None,
-                chunk_end=None, decode_at_once: bool = False):
+                chunk_end=None, decode_at_once: bool = False, session_id: str | None = None):
     """Serve one request end to end; returns (req, hit) with hit = cached prefix tokens reused.
     `chunk_end(req, proposed_end)` may end a prefill chunk earlier (Marconi's two-pass prefill,
     which the scheduler patch applies in PrefillAdder). `decode_at_once`: the decode's KV slots
     (and extra_buffer snapshots) in one allocation after the first token, rather than one per
-    step: the same victims (decode touches nothing in the tree), far fewer calls."""
+    step: the same victims (decode touches nothing in the tree), far fewer calls. `session_id`:
+    the session the client names (SGLang's `GenerateReqInput.session_id`)."""
     cache, pool = cc.cache, cc.req_to_token_pool
     req = make_request(tokens, n_out)
+    req.session_id = session_id
     req.init_next_round_input(cache)  # match_prefix with Mamba copy-on-write
     hit = req.cached_tokens = req.prefix_len  # ScheduleBatch.prepare_for_extend's accounting
     n = len(req.full_untruncated_fill_ids)

@@ -9,7 +9,7 @@ Nemotron-H model supports PP, its Qwen3-Next one asserts a single stage) and `--
   prompts, some sharing a long prefix) evicts all the time; every request completes, warm
   responses equal cold ones, and the shadow tuner moves the cache off LRU, on every rank at the
   same point of the stream (the leader's directive rides the requests: no collective of ours on
-  the batch path, which under PP used to deadlock stage 0 against stage 1).
+  the batch path, where under PP one would deadlock stage 0 against stage 1).
 - `--scheduler-recv-interval 4` on two TP ranks (SGLang skips three receives of four while
   decoding, and a skipped receive drops what the leader added to it): every directive the leader
   sends is applied by both ranks at the same iteration (each rank logs each one it applies).
@@ -88,6 +88,43 @@ def run_concurrently(url: str, prompts, workers: int = 6) -> list[Generation]:
         pool.shutdown(wait=False, cancel_futures=True)  # a hung request ends when its server is stopped
 
 
+def class_server(tiny_model, tmp_path_factory, model: str, args, log_name: str, consensus: bool = True):
+    """A server of `model` with `args` for one test class (a fixture's body: yields it, stops it
+    before the next class starts its own); `consensus`: under SGLang's rank-consensus checker."""
+    from live_server import start_server
+
+    log = tmp_path_factory.mktemp("server-logs") / log_name
+    server = start_server(tiny_model(model), extra_args=args, log_path=log, hard_limit_s=900,
+                          env={"SGLANG_ENABLE_RANK_CONSENSUS_CHECKER": "1"} if consensus else None)
+    yield server
+    server.stop()
+
+
+def assert_workload_completed(responses, before: dict, after: dict) -> None:
+    """Every prompt answered in order and in full, and counted once by the cache (`before` and
+    `after`: its figures around the workload)."""
+    assert [r.input_ids for r in responses] == [prompt(i) for i in range(len(responses))]
+    assert all(len(r.output_ids) == MAX_NEW for r in responses)
+    assert after["marconi_requests"] - before["marconi_requests"] == len(responses)
+
+
+def assert_warm_equals_cold(url: str, hits) -> None:
+    """Each hit's response equals the one the same prompt gets on an empty cache."""
+    for warm in hits:
+        flush_cache(url)
+        cold = generate(url, warm.input_ids, MAX_NEW)
+        assert cold.cached_tokens == 0
+        assert (result := same_up_to_numeric_ties(warm, cold, 1e-2)), result.detail
+
+
+def assert_ranks_agreed(server) -> str:
+    """The rank-consensus checker ran and found no divergence; returns the server's log."""
+    log = server.log_path.read_text(errors="replace")
+    assert "Rank consensus checker is enabled" in log  # the check ran
+    assert DIVERGENCE not in log, next(line for line in log.splitlines() if DIVERGENCE in line)[:2000]
+    return log
+
+
 def test_each_rank_gets_its_share_of_the_cpus(monkeypatch):
     """What live_server hands a parallel server: SGLang wants SGLANG_CPU_OMP_THREADS_BIND once
     ranks outnumber NUMA nodes, and ranks sharing two cores should not each run two threads."""
@@ -115,14 +152,8 @@ def test_each_rank_gets_its_share_of_the_cpus(monkeypatch):
 
 @pytest.fixture(scope="class")
 def tp_server(tiny_model, tmp_path_factory):
-    """A `--tp-size 2` server for one test class, stopped before the next class starts its own."""
-    from live_server import start_server
-
-    log = tmp_path_factory.mktemp("server-logs") / "tp2-gated-delta.log"
-    server = start_server(tiny_model("gated-delta"), extra_args=TP_ARGS, log_path=log, hard_limit_s=900,
-                          env={"SGLANG_ENABLE_RANK_CONSENSUS_CHECKER": "1"})
-    yield server
-    server.stop()
+    """A `--tp-size 2` server for one test class."""
+    yield from class_server(tiny_model, tmp_path_factory, "gated-delta", TP_ARGS, "tp2-gated-delta.log")
 
 
 def switches(figures: dict) -> int:
@@ -157,10 +188,8 @@ class TestTensorParallel:
 
     def test_concurrent_evicting_workload_completes(self, tp_server, tp_workload):
         responses, before, after = tp_workload
-        assert [r.input_ids for r in responses] == [prompt(i) for i in range(len(responses))]
-        assert all(len(r.output_ids) == MAX_NEW for r in responses)
         old, new = before["internal_states"][0]["marconi"], after["internal_states"][0]["marconi"]
-        assert new["marconi_requests"] - old["marconi_requests"] == len(responses)
+        assert_workload_completed(responses, old, new)
         evictions = lambda f: f["marconi_evictions_leaf"] + f["marconi_evictions_single_child"]  # noqa: E731
         assert evictions(new) > evictions(old), new
         # The check below can fail: different prompts give different greedy outputs.
@@ -171,16 +200,10 @@ class TestTensorParallel:
         responses = tp_workload[0]
         hits = [r for r in responses if r.cached_tokens > 0]
         assert len(hits) >= 2, [r.cached_tokens for r in responses]
-        for warm in hits:
-            flush_cache(tp_server.url)
-            cold = generate(tp_server.url, warm.input_ids, MAX_NEW)
-            assert cold.cached_tokens == 0
-            assert (result := same_up_to_numeric_ties(warm, cold, 1e-2)), result.detail
+        assert_warm_equals_cold(tp_server.url, hits)
 
     def test_ranks_never_diverged(self, tp_server, tp_workload):
-        log = tp_server.log_path.read_text(errors="replace")
-        assert "Rank consensus checker is enabled" in log  # the check ran
-        assert DIVERGENCE not in log, next(line for line in log.splitlines() if DIVERGENCE in line)[:2000]
+        assert_ranks_agreed(tp_server)
         assert tp_server.process.poll() is None
 
     def test_tuner_switched_its_choice(self, tp_server, tp_workload):
@@ -214,13 +237,7 @@ def applied_by_rank(log_path) -> dict[str, list[tuple[int, int, int]]]:
 
 @pytest.fixture(scope="class")
 def skip_server(tiny_model, tmp_path_factory):
-    from live_server import start_server
-
-    log = tmp_path_factory.mktemp("server-logs") / "tp2-recv-interval-4.log"
-    server = start_server(tiny_model("gated-delta"), extra_args=SKIP_ARGS, log_path=log, hard_limit_s=900,
-                          env={"SGLANG_ENABLE_RANK_CONSENSUS_CHECKER": "1"})
-    yield server
-    server.stop()
+    yield from class_server(tiny_model, tmp_path_factory, "gated-delta", SKIP_ARGS, "tp2-recv-interval-4.log")
 
 
 class TestSkippedReceives:
@@ -236,10 +253,7 @@ class TestSkippedReceives:
             responses += run_concurrently(url, [prompt(i) for i in range(first, first + WAVE)])
             figures = server_info(url)["internal_states"][0]["marconi"]
             waves_with_directive += figures["marconi_directives_sent"] > 0
-        # Every request completed, in full.
-        assert [r.input_ids for r in responses] == [prompt(i) for i in range(len(responses))]
-        assert all(len(r.output_ids) == MAX_NEW for r in responses)
-        assert figures["marconi_requests"] - before["marconi_requests"] == len(responses)
+        assert_workload_completed(responses, before, figures)
         # A directive still out when the load stops comes back at a later receive (an idle
         # scheduler keeps polling; a request makes sure).
         deadline = time.monotonic() + 30
@@ -259,10 +273,7 @@ class TestSkippedReceives:
         assert [seq for seq, _, _ in applied["0"]] == list(range(len(applied["0"])))
         assert applied["0"] == applied["1"]
         assert figures["marconi_tuning_failures"] == 0
-        log = skip_server.log_path.read_text(errors="replace")
-        assert "Rank consensus checker is enabled" in log
-        assert DIVERGENCE not in log, next(line for line in log.splitlines() if DIVERGENCE in line)[:2000]
-        assert "MarconiError" not in log
+        assert "MarconiError" not in assert_ranks_agreed(skip_server)
         print(f"{len(responses)} requests, {sent} directives, {figures['marconi_choice_switches']} switches")
 
 
@@ -274,13 +285,7 @@ PP_ARGS = ("--pp-size", "2", *TP_ARGS[2:])
 @pytest.fixture(scope="class")
 def pp_server(tiny_model, tmp_path_factory):
     """A `--pp-size 2` server (two stages of the Mamba2 hybrid) for one test class."""
-    from live_server import start_server
-
-    log = tmp_path_factory.mktemp("server-logs") / "pp2-mamba2.log"
-    server = start_server(tiny_model("mamba2"), extra_args=PP_ARGS, log_path=log, hard_limit_s=900,
-                          env={"SGLANG_ENABLE_RANK_CONSENSUS_CHECKER": "1"})
-    yield server
-    server.stop()
+    yield from class_server(tiny_model, tmp_path_factory, "mamba2", PP_ARGS, "pp2-mamba2.log")
 
 
 @pytest.fixture(scope="class")
@@ -299,10 +304,8 @@ class TestPipelineParallel:
 
     def test_concurrent_evicting_workload_completes(self, pp_server, pp_workload):
         responses, before, after = pp_workload
-        assert [r.input_ids for r in responses] == [prompt(i) for i in range(len(responses))]
-        assert all(len(r.output_ids) == MAX_NEW for r in responses)
         old, new = before["internal_states"][0]["marconi"], after["internal_states"][0]["marconi"]
-        assert new["marconi_requests"] - old["marconi_requests"] == len(responses)
+        assert_workload_completed(responses, old, new)
         assert new["marconi_evictions_leaf"] + new["marconi_evictions_single_child"] > 0, new
         assert len({tuple(r.output_ids) for r in responses}) == len(responses)  # can fail: outputs differ
 
@@ -326,16 +329,10 @@ class TestPipelineParallel:
     def test_warm_responses_equal_cold_ones(self, pp_server, pp_workload):
         hits = [r for r in pp_workload[0] if r.cached_tokens > 0]
         assert len(hits) >= 2, [r.cached_tokens for r in pp_workload[0]]
-        for warm in hits[:4]:
-            flush_cache(pp_server.url)
-            cold = generate(pp_server.url, warm.input_ids, MAX_NEW)
-            assert cold.cached_tokens == 0
-            assert (result := same_up_to_numeric_ties(warm, cold, 1e-2)), result.detail
+        assert_warm_equals_cold(pp_server.url, hits[:4])
 
     def test_stages_never_diverged(self, pp_server, pp_workload):
-        log = pp_server.log_path.read_text(errors="replace")
-        assert "Rank consensus checker is enabled" in log  # the check ran
-        assert DIVERGENCE not in log, next(line for line in log.splitlines() if DIVERGENCE in line)[:2000]
+        assert_ranks_agreed(pp_server)
         assert pp_server.process.poll() is None
 
 
@@ -385,12 +382,8 @@ def marconi_gauge_by_dp_rank(url: str, name: str) -> dict[str, float]:
 def dp_server(tiny_model, tmp_path_factory):
     """A `--dp-size 2` server (the default CPU pools) for one test class; the Mamba2 hybrid, where
     the TP tests serve the gated-delta one."""
-    from live_server import start_server
-
-    log = tmp_path_factory.mktemp("server-logs") / "dp2-mamba2.log"
-    server = start_server(tiny_model("mamba2"), extra_args=("--dp-size", "2"), log_path=log, hard_limit_s=900)
-    yield server
-    server.stop()
+    yield from class_server(tiny_model, tmp_path_factory, "mamba2", ("--dp-size", "2"), "dp2-mamba2.log",
+                            consensus=False)
 
 
 class TestDataParallel:

@@ -152,36 +152,48 @@ def test_third_request_sharing_a_150_token_prompt_hits_all_150(server):
         assert cached == [0, 128, 128], cached
 
 
-def test_long_prompts_leave_at_most_two_states_each(server):
-    flush_cache(server.url)
-    before = marconi_figures(server.url)
-    prompts = [tokens(3, 5 * CHUNK)]  # five prefill chunks: upstream's admission would keep five states
-    prompts.append(prompts[0][: 2 * CHUNK + 40] + tokens(4, 3 * CHUNK))  # branches inside the third chunk
-    prompts.append(prompts[0][: 2 * CHUNK + 40] + tokens(5, 3 * CHUNK))
+def assert_at_most_two_states_per_prompt(url: str, prompts, serve) -> tuple[dict, dict]:
+    """`serve(prompt)` each prompt in turn: each admits at most two SSM states (its branch and its
+    end), plus at most one on probation at the end of its input (--marconi-probation, the default),
+    and the tree holds no more states than that after it. Returns the figures before and after."""
+    before = marconi_figures(url)
     for prompt in prompts:
-        figures = marconi_figures(server.url)
-        generate(server.url, prompt, max_new_tokens=6)
-        after = marconi_figures(server.url)
+        figures = marconi_figures(url)
+        serve(prompt)
+        after = marconi_figures(url)
         assert after["marconi_ssm_states_admitted"] - figures["marconi_ssm_states_admitted"] <= 2
-        # plus at most one on probation, at the end of the input (--marconi-probation, the default)
         probationary = (after["marconi_probationary_states_admitted"]
                         - figures["marconi_probationary_states_admitted"])
         assert probationary <= 1
         assert after["marconi_ssm_states_cached"] - figures["marconi_ssm_states_cached"] <= 2 + probationary
-    after = marconi_figures(server.url)
+    return before, marconi_figures(url)
+
+
+def test_long_prompts_leave_at_most_two_states_each(server):
+    flush_cache(server.url)
+    prompts = [tokens(3, 5 * CHUNK)]  # five prefill chunks: upstream's admission would keep five states
+    prompts.append(prompts[0][: 2 * CHUNK + 40] + tokens(4, 3 * CHUNK))  # branches inside the third chunk
+    prompts.append(prompts[0][: 2 * CHUNK + 40] + tokens(5, 3 * CHUNK))
+    before, after = assert_at_most_two_states_per_prompt(
+        server.url, prompts, lambda prompt: generate(server.url, prompt, max_new_tokens=6))
     assert after["marconi_ssm_states_admitted"] - before["marconi_ssm_states_admitted"] >= len(prompts)
     assert after["marconi_evictions_leaf"] == before["marconi_evictions_leaf"]  # nothing left by eviction
 
 
+def turns_then_branches(serve, turns: int, branches: int) -> list:
+    """What `serve(prompt)` returns for `turns` turns of one conversation (each turn reuses the
+    previous one), then for `branches` prompts that share only its system prompt."""
+    system = tokens(6, 140)
+    served, prompt = [], system + tokens(7, 30)
+    for turn in range(turns):
+        served.append(serve(prompt))
+        prompt = prompt + served[-1].output_ids + tokens(300 + turn, 20)
+    return served + [serve(system + tokens(400 + i, 30)) for i in range(branches)]
+
+
 def test_warm_responses_equal_cold_ones(server):
     flush_cache(server.url)
-    system = tokens(6, 140)
-    warm = []
-    prompt = system + tokens(7, 30)
-    for turn in range(3):  # multi-turn reuse, then branches off the shared system prompt
-        warm.append(generate(server.url, prompt, max_new_tokens=12))
-        prompt = prompt + warm[-1].output_ids + tokens(300 + turn, 20)
-    warm += [generate(server.url, system + tokens(400 + i, 30), max_new_tokens=12) for i in range(3)]
+    warm = turns_then_branches(lambda prompt: generate(server.url, prompt, max_new_tokens=12), turns=3, branches=3)
     hits = [(i, g) for i, g in enumerate(warm) if g.cached_tokens > 0]
     assert len(hits) >= 3, [g.cached_tokens for g in warm]
     for i, g in hits:

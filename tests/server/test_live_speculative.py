@@ -38,7 +38,7 @@ from http_api import (  # noqa: E402
     same_up_to_numeric_ties,
 )
 from numeric_gap import DECODE_KV_GAP  # noqa: E402
-from test_live_server import tokens  # noqa: E402
+from test_live_server import assert_at_most_two_states_per_prompt, tokens, turns_then_branches  # noqa: E402
 
 CHUNK = 128
 SPECULATIVE = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
@@ -146,20 +146,11 @@ def test_multi_turn_chat_reuses_the_previous_turn(server):
 
 def test_long_prompts_leave_at_most_two_states_each(server):
     flush_cache(server.url)
-    before = marconi_figures(server.url)
     prompts = [tokens(3, 3 * CHUNK)]  # three prefill chunks: upstream's admission would keep three states
     prompts.append(prompts[0][: CHUNK + 40] + tokens(4, 2 * CHUNK))  # branches inside the second chunk
     prompts.append(prompts[0][: CHUNK + 40] + tokens(5, 2 * CHUNK))
-    for prompt in prompts:
-        figures = marconi_figures(server.url)
-        generate(server.url, prompt, max_new_tokens=4)
-        after = marconi_figures(server.url)
-        assert after["marconi_ssm_states_admitted"] - figures["marconi_ssm_states_admitted"] <= 2
-        probationary = (after["marconi_probationary_states_admitted"]
-                        - figures["marconi_probationary_states_admitted"])
-        assert probationary <= 1  # plus at most one on probation, at the end of the input
-        assert after["marconi_ssm_states_cached"] - figures["marconi_ssm_states_cached"] <= 2 + probationary
-    after = marconi_figures(server.url)
+    before, after = assert_at_most_two_states_per_prompt(
+        server.url, prompts, lambda prompt: generate(server.url, prompt, max_new_tokens=4))
     assert after["marconi_ssm_states_admitted"] - before["marconi_ssm_states_admitted"] >= 2  # two branches
     assert after["marconi_evictions_leaf"] == before["marconi_evictions_leaf"]
 
@@ -167,13 +158,7 @@ def test_long_prompts_leave_at_most_two_states_each(server):
 def test_warm_responses_equal_cold_ones_and_the_plain_servers(servers):
     speculative, plain = servers
     flush_cache(speculative.url)
-    system = tokens(6, 140)
-    warm = []
-    prompt = system + tokens(7, 30)
-    for turn in range(2):  # multi-turn reuse, then branches off the shared system prompt
-        warm.append(generate(speculative.url, prompt, max_new_tokens=8))
-        prompt = prompt + warm[-1].output_ids + tokens(300 + turn, 20)
-    warm += [generate(speculative.url, system + tokens(400 + i, 30), max_new_tokens=8) for i in range(2)]
+    warm = turns_then_branches(lambda prompt: generate(speculative.url, prompt, max_new_tokens=8), turns=2, branches=2)
     hits = [g for g in warm if g.cached_tokens > 0]
     assert len(hits) >= 2, [g.cached_tokens for g in warm]
 

@@ -127,18 +127,16 @@ def test_the_simulator_runs_the_served_cache_from_its_flags(capsys):
 
 def test_the_simulator_runs_the_served_swa_policy_from_its_flags(capsys):
     """A sliding-window model's served pools: --kv-tokens (full KV) and --swa-tokens (SWA KV)."""
-    from sglang_marconi.policy.tree.window_cache import pool_split
     from sglang_marconi.sim.baselines.swa_radix import served_marconi_swa
     from sglang_marconi.sim.cli import main
 
     profile = load_profile("gpt-oss-20b")
-    capacity, share = pool_split(profile, 4000, 1500)
     policy = served_marconi_swa(profile, 4000, 1500, alpha=1.0)
-    assert policy.cache.full_cap == 4000 * profile.kv_bytes_per_token == capacity - policy.cache.swa_cap
-    assert policy.cache.swa_cap == 1500 * profile.swa_kv_bytes_per_token
+    assert (policy.cache.kv_tokens, policy.cache.swa_tokens) == (4000, 1500)
     # as served: the last decoded token is not kept (a continuation hits what SGLang's cache holds)
-    first = policy.serve(next(iter(generate("lmsys", sessions=1, scale=0.1, seed=1))))
-    assert first.hit_tokens == 0 and policy.cache.full_tokens > 0
+    request = next(iter(generate("lmsys", sessions=1, scale=0.1, seed=1)))
+    first = policy.serve(request)
+    assert first.hit_tokens == 0 and policy.cache.tree_full == request.input_len + request.output_len - 1
     assert main(["--workload", "synthetic:lmsys:sessions=4,scale=0.1,seed=1", "--model", "gpt-oss-20b",
                  "--kv-tokens", "4000", "--swa-tokens", "1500", "--policies", "marconi:1,marconi",
                  "--tune-sync-every", "8", "--no-progress"]) == 0

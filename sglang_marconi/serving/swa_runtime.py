@@ -38,11 +38,12 @@ class SWARuntime(MarconiRuntime):
         allocator = cache.token_to_kv_pool_allocator
         kv_tokens = int(allocator.size_full if hasattr(allocator, "size_full") else allocator.size)
         swa_tokens = int(getattr(allocator, "size_swa", 0))
-        if kv_tokens and swa_tokens:  # the two pools, as the simulator's served SWA policy sizes them
+        if kv_tokens and swa_tokens:  # the two pools: the shadows model the served cache on them
             capacity, share = pool_split(profile, kv_tokens, swa_tokens)
-        else:
-            capacity, share = max(1, kv_tokens * profile.kv_bytes_per_token), None
-        return TunerSpec("window", profile, capacity, self.config.tuning(), dict(swa_share=share))
+            return TunerSpec("window", profile, capacity, self.config.tuning(),
+                             dict(swa_share=share, pools=(kv_tokens, swa_tokens)))
+        capacity = max(1, kv_tokens * profile.kv_bytes_per_token)
+        return TunerSpec("window", profile, capacity, self.config.tuning(), dict(swa_share=None))
 
     def _account(self, req) -> None:
         f = self.swa_figures

@@ -46,5 +46,5 @@ class TunerSpec:
             from sglang_marconi.policy.tuning.window_tuner import WindowTuner
 
             return WindowTuner(self.profile, self.capacity_bytes, self.options.get("rules", MARCONI), self.config,
-                               self.options.get("swa_share"))
+                               self.options.get("swa_share"), pools=self.options.get("pools"))
         raise MarconiError(f"unknown tuner kind {self.kind!r}: expected 'hybrid' or 'window'")

@@ -1,7 +1,12 @@
 """Online alpha tuning for the sliding-window cache, with the shadow tuner's evidence.
 
-One shadow `WindowPrefixCache` per alpha of the grid (alpha 0: recency alone over Marconi's
-candidates, the safe start) sees the sampled sessions at capacity x sample rate. What each saved
+One shadow per alpha of the grid (alpha 0: recency alone over Marconi's candidates, the safe
+start) sees the sampled sessions at the pools x sample rate. With `pools` (SGLang's full-KV and
+SWA token pools: the served runtime and the simulator's served policy) each shadow is the model
+of the served cache, `served_window_cache.ServedWindowCache`, evicting by the rule the server
+runs (`rules/window_plan.py`) and fed what the served cache keeps of a request (input +
+output[:-1]); without, it is the one-budget `window_cache.WindowPrefixCache` under `rules` (the
+simulator's paper-style policies), fed input + output. What each saved
 on each request goes into the shadow tuner's `Evidence` (decayed long and short windows,
 session-clustered errors, two halves of the clusters). Every `epoch` sampled requests:
 - guard: a live alpha other than the start goes back to it as soon as the start leads it over the
@@ -20,22 +25,35 @@ import math
 
 import numpy as np
 
+from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.tuning.sampling import session_in_sample
 from sglang_marconi.policy.tuning.shadow_tuner import LONG, SHORT, Evidence, ShadowConfig, TunerLog, choice_label
+from sglang_marconi.policy.tree.served_window_cache import ServedWindowCache
 from sglang_marconi.policy.tree.window_cache import WindowPrefixCache, WindowRules
 
 
 class WindowTuner:
-    def __init__(self, profile, capacity_bytes: int, rules: WindowRules, config: ShadowConfig = ShadowConfig(),
-                 swa_share: float | None = None):
+    def __init__(self, profile, capacity_bytes: int, rules: WindowRules | None, config: ShadowConfig = ShadowConfig(),
+                 swa_share: float | None = None, *, pools: tuple[int, int] | None = None,
+                 chunk_size: int | None = None):
         self.profile, self.config = profile, config
         self.choices = tuple(config.alpha_grid)
         rate = config.sample_rate
-        # a shadow must hold a few windows whatever the sample rate
-        floor = math.ceil(4 * profile.sliding_window * profile.swa_kv_bytes_per_token / (swa_share or 1.0))
-        capacity = max(int(capacity_bytes * rate), floor)
-        self.shadows = [WindowPrefixCache(profile, capacity, rules, alpha=a, swa_share=swa_share)
-                        for a in self.choices]
+        self.served = pools is not None
+        if self.served:
+            kv_tokens, swa_tokens = pools
+            if rate < 1:  # a shadow must hold a few windows whatever the sample rate
+                floor = 4 * profile.sliding_window
+                kv_tokens, swa_tokens = max(int(kv_tokens * rate), floor), max(int(swa_tokens * rate), floor)
+            self.shadows = [ServedWindowCache(profile, kv_tokens, swa_tokens, alpha=a, chunk_size=chunk_size)
+                            for a in self.choices]
+        else:
+            if rules is None:
+                raise MarconiError("a one-budget window tuner needs its rules (or give pools: the served cache)")
+            floor = math.ceil(4 * profile.sliding_window * profile.swa_kv_bytes_per_token / (swa_share or 1.0))
+            capacity = max(int(capacity_bytes * rate), floor)
+            self.shadows = [WindowPrefixCache(profile, capacity, rules, alpha=a, swa_share=swa_share)
+                            for a in self.choices]
         self.evidence = Evidence(len(self.choices), (config.half_life, config.guard_half_life))
         self.index = 0  # of the alpha in force
         self.log = TunerLog()
@@ -74,7 +92,12 @@ class WindowTuner:
         self.log.sampled += 1
         self._since_switch += 1
         inp = np.asarray(input_tokens, dtype=np.int64)
-        hits = self.last_hits = [shadow.serve(inp, output_tokens)[0].hit_tokens for shadow in self.shadows]
+        if self.served:  # output_tokens: what the served cache keeps of the output
+            seq = np.concatenate((inp, np.asarray(output_tokens, dtype=np.int64)))
+            hits = [shadow.serve_kept(seq, len(inp)).hit_tokens for shadow in self.shadows]
+        else:
+            hits = [shadow.serve(inp, output_tokens)[0].hit_tokens for shadow in self.shadows]
+        self.last_hits = hits
         if self.config.objective == "flops":
             whole = self.profile.prefill_flops(0, len(inp))
             gains = np.array([whole - self.profile.prefill_flops(h, len(inp)) for h in hits])

@@ -370,7 +370,9 @@ def run_swa(requests, profile_name: str, kv_tokens: int, swa_tokens: int, chunk:
     return Report(
         config={"workload": workload_name, "model": profile_name, "kind": "sliding-window", "kv_tokens": kv_tokens,
                 "swa_tokens": swa_tokens, "window": int(profile.sliding_window), "chunk": chunk, "alpha": alpha,
-                "probation": False, "served_choices": served.choices, "sim_choices": sim.choices},
+                "probation": False, "served_choices": served.choices, "sim_choices": sim.choices,
+                "served_evictions": evicted_served[-1] if requests else 0,
+                "sim_evictions": evicted_sim[-1] if requests else 0},
         requests=len(requests), agree=int((a == b).sum()), served_hits=int(a.sum()), sim_hits=int(b.sum()),
         input_tokens=int(sum(r.input_len for r in requests)), first=first, wall_s=wall, shadow=shadow)
 

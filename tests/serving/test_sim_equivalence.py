@@ -37,10 +37,9 @@ with and without probation, tuned online and fixed, and requires >= 99% of reque
 hits and total hit tokens within 0.5% (measured: 100% and 0.000% in every configuration); the fixed
 ones also require the tuner's shadow of the live choice, given what the live cache was given, to
 predict its hits within the same bound (measured: identical). For sliding-window models
-(`test_simulator_describes_the_served_swa_cache`) the same check holds where the pools do not evict
-(100%, tuned and fixed, the window shadows too); under SWA pressure it does not yet (81.9% identical,
-12% fewer hit tokens simulated on the tight lmsys case: a strict xfail), because SWA eviction is
-still two rules (see `SWA_CONFIGS`).
+(`test_simulator_describes_the_served_swa_cache`, `..._under_pressure`) the same check holds where
+the pools do not evict and where SWA eviction runs on most requests (100%, tuned and fixed, the window
+shadows too; see `SWA_CONFIGS`).
 """
 
 import numpy as np
@@ -235,20 +234,14 @@ def test_simulator_describes_the_server(check, name):
 
 
 # Sliding-window models (`--kind sliding-window`): SGLang's SWA cache with the marconi backend (window
-# 128, gpt-oss-20b's profile) against the simulator's served SWA policy, which is also what the SWA
-# runtime's window shadows run: (kind, generator parameters, KV tokens, SWA tokens, chunk, alpha).
-# Where neither pool evicts, the two agree request by request: admission (the window before the end
-# and before a branch point), SGLang's SWA match validator and the kept tokens are the same. Under SWA
-# pressure they do not (strict xfail below; measured 81.9% identical, the simulator 12% short). The
-# served cache evicts by `policy/rules/window_plan.py` on SGLang's tree: SWA KV in no reuse point's window
-# (stale, by distance to the reuse point below) first, then branch windows and leaves; it keeps a
-# request's SWA KV from the scheduler's last out-of-window free (every 128 tokens past the window) to
-# its end, and evicts when a request allocates, while the request holds its window. The simulator's
-# `WindowPrefixCache` keeps exactly the windows, evicts at a request's end, and never tombstones an
-# inner node whose fully-covered child edge is shorter than the window, even where no reuse point's
-# window reaches it: on the tight lmsys case SGLang freed 142 stale segments and no leaf, the
-# simulator 83 leaves (their full KV with them). The fix is one SWA rule: a model of SGLang's SWA tree
-# in the policy core evicting by `window_plan`, as `policy/tree/served_cache.py` does for Mamba.
+# 128, gpt-oss-20b's profile) against the simulator's served SWA policy, the model of SGLang's SWA tree
+# in `policy/tree/served_window_cache.py`, which is also what the SWA runtime's window shadows run:
+# (kind, generator parameters, KV tokens, SWA tokens, chunk, alpha). Both evict by
+# `policy/rules/window_plan.py` on the same tree (stale SWA KV first, then branch windows and leaves),
+# when a request allocates, while the request holds its window; both keep what the scheduler's
+# out-of-window frees leave. Ample pools (no eviction) and tight ones (SWA eviction on most requests)
+# agree request by request (measured: 100% identical, 0.000% apart in each; the tight lmsys case was
+# 81.9% and 12.0% apart when the simulator ranked by a rule of its own).
 AMPLE_POOL = 1_000_000
 SWA_CONFIGS = {
     "swa-lmsys-ample-auto": ("lmsys", dict(sessions=8, scale=0.1, seed=1), AMPLE_POOL, AMPLE_POOL, None, "auto"),
@@ -257,7 +250,10 @@ SWA_CONFIGS = {
     "swa-swe-ample-chunked-auto": ("swe-agent", dict(sessions=2, scale=0.05, seed=4), AMPLE_POOL, AMPLE_POOL, 256,
                                    "auto"),
 }
-SWA_TIGHT = ("lmsys", dict(sessions=8, scale=0.1, seed=1), 4000, 1500, None, 1.0)  # measured: 81.9%, 12.0% apart
+SWA_TIGHT = {
+    "swa-lmsys-tight-a1": ("lmsys", dict(sessions=8, scale=0.1, seed=1), 4000, 1500, None, 1.0),
+    "swa-sharegpt-tight-chunked-auto": ("sharegpt", dict(sessions=10, scale=0.3, seed=3), 4000, 1500, 64, "auto"),
+}
 
 
 def _swa_report(check, name, config):
@@ -276,8 +272,9 @@ def test_simulator_describes_the_served_swa_cache(check, name):
     assert report.served_hits > 0.5 * report.input_tokens  # the cache is used
 
 
-@pytest.mark.xfail(strict=True, reason="SWA eviction: the simulator's WindowPrefixCache ranks by its own rule, "
-                                       "the server by window_plan on SGLang's tree (issue 22, item 1)")
-def test_simulator_describes_the_served_swa_cache_under_pressure(check):
-    report = _swa_report(check, "swa-lmsys-tight-a1", SWA_TIGHT)
+@pytest.mark.parametrize("name", list(SWA_TIGHT))
+def test_simulator_describes_the_served_swa_cache_under_pressure(check, name):
+    report = _swa_report(check, name, SWA_TIGHT[name])
     assert report.ok, "\n".join(report.lines())
+    assert report.config["served_evictions"] > report.requests // 2, report.config  # SWA pressure throughout
+    assert report.config["served_choices"] == report.config["sim_choices"]

@@ -26,14 +26,13 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sglang_cpu import FakeGroup, Injected, build_marconi_serving, fail_at, run_request, tree_signature  # noqa: E402
+from sglang_cpu import FakeGroup, Injected, fail_at, tree_signature  # noqa: E402
 from sglang_swa_cpu import SWA, build_swa_cache, session_requests  # noqa: E402
+from test_fault_guard import SYSTEM, serve, serving  # noqa: E402
 
 from sglang_marconi.policy.rules.probation import ProbationRegistry  # noqa: E402
 from sglang_marconi.policy.rules.window_plan import WindowPlan  # noqa: E402
 from sglang_marconi.serving import components  # noqa: E402
-from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
-from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
 from sglang_marconi.serving.faults import (  # noqa: E402
     RECOVERY_LIMIT,
     RECOVERY_WINDOW,
@@ -44,7 +43,6 @@ from sglang_marconi.serving.swa_component import window_time  # noqa: E402
 from sglang_marconi.serving.tree_index import MarconiTreeIndex  # noqa: E402
 
 WINDOW = 64
-SYSTEM = list(range(1, 301))
 
 
 
@@ -235,31 +233,6 @@ def test_a_plan_hook_that_fails_every_time_escalates_after_the_bound(monkeypatch
 
 # -- SSM: the scheduler's calls (sglang_cpu.run_request), both pressures ---------------------------
 
-def ssm_serving(group=None):
-    config = MarconiServingConfig(alpha=1.0, tune_workers=0)
-    return build_marconi_serving(config, kv_size=2600, mamba_size=10, max_num_reqs=2, group=group)
-
-
-def requests(n, seed=0):
-    import random
-
-    rng = random.Random(seed)
-    for _ in range(n):
-        head = SYSTEM if rng.random() < 0.6 else []
-        tokens = head + [rng.randrange(10_000, 1 << 30) for _ in range(rng.randrange(40, 260))]
-        yield tokens, rng.randrange(1, 20), rng.choice([None, 96])
-
-
-def serve(cc, n, seed=0):
-    hits = []
-    for i, (tokens, n_out, chunk) in enumerate(requests(n, seed)):
-        out = [5_000_000 + 100 * i + j for j in range(n_out)]
-        _, hit = run_request(cc, tokens, n_out, chunk_size=chunk, out_tokens=out, chunk_end=chunk_end_for_branch)
-        hits.append(hit)
-        cc.check_no_leak()
-    return hits
-
-
 PRIMARY = [  # (owner, name, the call that fails, where the fault is reported)
     (components, "record_state_use", 12, "state use"),
     (ProbationRegistry, "add", 3, "probation"),
@@ -271,7 +244,7 @@ PRIMARY = [  # (owner, name, the call that fails, where the fault is reported)
 
 @pytest.mark.parametrize("owner,name,at,where", PRIMARY, ids=[p[1] for p in PRIMARY])
 def test_a_fault_in_primary_ssm_data_falls_back_on_a_rank_alone(monkeypatch, caplog, owner, name, at, where):
-    cc, runtime = ssm_serving()
+    cc, runtime = serving()
     seen = fail_at(monkeypatch, owner, name, {at})
     with caplog.at_level(logging.WARNING, logger="sglang_marconi"):
         hits = serve(cc, 50)
@@ -285,7 +258,7 @@ def test_a_fault_in_primary_ssm_data_falls_back_on_a_rank_alone(monkeypatch, cap
 
 @pytest.mark.parametrize("owner,name,at,where", PRIMARY[:2], ids=[p[1] for p in PRIMARY[:2]])
 def test_a_fault_in_primary_ssm_data_stops_a_group_with_one_line(monkeypatch, owner, name, at, where):
-    cc, runtime = ssm_serving(FakeGroup())
+    cc, runtime = serving(FakeGroup())
     fail_at(monkeypatch, owner, name, {at})
     with pytest.raises(MarconiGroupFault) as raised:
         serve(cc, 50)
@@ -296,7 +269,7 @@ def test_a_fault_in_primary_ssm_data_stops_a_group_with_one_line(monkeypatch, ow
 
 @pytest.mark.parametrize("group", [False, True])
 def test_an_index_hook_that_fails_every_time_escalates_after_the_bound(monkeypatch, caplog, group):
-    cc, runtime = ssm_serving(FakeGroup() if group else None)
+    cc, runtime = serving(FakeGroup() if group else None)
     calls = []
 
     def broken(self, node):
@@ -321,7 +294,7 @@ def test_an_index_hook_that_fails_every_time_escalates_after_the_bound(monkeypat
 
 
 def test_the_recovery_bound_counts_in_the_runtimes_releases():
-    cc, runtime = ssm_serving()
+    cc, runtime = serving()
     serve(cc, 5)
     assert runtime.released == 5 and runtime.faults.position() == 5
 
@@ -357,7 +330,7 @@ def test_a_failing_server_info_readback_does_not_take_down_the_handler(monkeypat
 
     from sglang_marconi.serving.metrics import add_marconi_state
 
-    cc, runtime = ssm_serving()
+    cc, runtime = serving()
     serve(cc, 10)
     tree = tree_signature(cc.cache)
     monkeypatch.setattr(runtime, "metrics", lambda cache: (_ for _ in ()).throw(Injected("readback")))
@@ -380,7 +353,7 @@ def test_a_failing_kv_events_readback_does_not_take_down_the_handler(monkeypatch
 
     from sglang_marconi.serving import kv_events
 
-    cc, runtime = ssm_serving()
+    cc, runtime = serving()
     serve(cc, 3)
     monkeypatch.setattr(kv_events, "_dp_rank", lambda: (_ for _ in ()).throw(Injected("no parallel context")))
     state = {}

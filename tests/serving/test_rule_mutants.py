@@ -3,7 +3,7 @@ changes the simulator's model of the served cache (`policy/tree/served_cache.Ser
 SGLang's real cache with the `marconi` backend (its components and admission on CPU) alike,
 request by request.
 
-Rules: the eviction score (`policy/rules/score.utility`), the value (Eq. 1,
+Rules: the eviction score (`policy/rules/score.scorer`), the value (Eq. 1,
 `policy/rules/value.flops_saved_per_byte`) and the compressed-tree anchor the value counts from
 (`policy/rules/value.anchor_end`). For each, one trace on tight pools (every request evicts) is
 replayed through both caches, unmutated and under the mutant: the mutant must change some
@@ -92,9 +92,9 @@ def first_difference(a, b) -> str:
 
 def value_first(original):
     """Score: the value's weight reversed (the most valuable candidate goes first)."""
-    def utility(t, e, s):
-        return original(t, e, s._replace(w_e=-s.w_e) if s.w_e else s)
-    return utility
+    def scorer(s):
+        return original(s._replace(w_e=-s.w_e) if s.w_e else s)
+    return scorer
 
 
 def flops_not_per_byte(original):
@@ -112,7 +112,7 @@ def uncompressed(original):
 
 
 MUTANTS = {
-    "score": (score, "utility", value_first),
+    "score": (score, "scorer", value_first),
     "value": (value_rule, "flops_saved_per_byte", flops_not_per_byte),
     "anchor": (value_rule, "anchor_end", uncompressed),
 }

@@ -20,19 +20,20 @@ a slot or an order of insertion.
 The arithmetic, fixed so that every index, whatever its storage, computes each score bit for bit
 alike (a near-tie is then decided the same way in the simulator and in the server):
 `scale(lo_t, hi_t, lo_e, hi_e, alpha)` turns the set's extremes into weights, and
-`utility(t, e, scale)` evaluates one candidate or a numpy array of them element by element:
-`(t - lo_t) * w_t + (e - lo_e) * w_e`, each operation rounded on its own (never a BLAS dot, which
-may fuse or reorder them). Where a span is subnormal (a weight overflows) the scale divides
+`scorer(scale)` is the score as a function of `(t, e)`, which evaluates one candidate (floats) or
+a numpy array of them element by element: `(t - lo_t) * w_t + (e - lo_e) * w_e`, each operation
+rounded on its own (never a BLAS dot, which may fuse or reorder them); `utility(t, e, scale)` is
+`scorer(scale)(t, e)`. Where a span is subnormal (a weight overflows) the scale divides
 instead, as the paper's formula does. Both are monotone in `t` and in `e`, which the incremental
 index (`RankedCandidates`) relies on for its lower bounds.
 
-Callers reach these functions through this module (`score.utility(...)`), never a copy: replacing
+Callers reach these functions through this module (`score.scorer(...)`), never a copy: replacing
 one here replaces it everywhere (`tests/serving/test_rule_mutants.py` does).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -41,7 +42,7 @@ _INF = float("inf")
 
 
 class Scale(NamedTuple):
-    """What `utility` needs of a candidate set: `(t - lo_t) * w_t + (e - lo_e) * w_e`, or, with
+    """What `scorer` needs of a candidate set: `(t - lo_t) * w_t + (e - lo_e) * w_e`, or, with
     `spans` (a weight would overflow), `(t - lo_t) / span_t * RECENCY_WEIGHT + alpha * ((e - lo_e) / span_e)`."""
 
     lo_t: float
@@ -65,28 +66,33 @@ def scale(lo_t: float, hi_t: float, lo_e: float, hi_e: float, alpha: float) -> S
     return Scale(lo_t, lo_e, w_t, w_e)
 
 
-def utility(t, e, s: Scale):
-    """The score of one candidate (floats) or of each of several (numpy arrays), under `s`.
-    A zero weight adds nothing (and reads nothing: +inf marks a dead slot in `RankedCandidates`)."""
+def scorer(s: Scale) -> Callable:
+    """The score under `s` as a function of `(t, e)`: one candidate's floats, or numpy arrays of
+    several (element by element, each operation rounded on its own). A zero value weight adds
+    nothing and reads nothing (+inf marks a dead slot in `RankedCandidates`)."""
     if s is LRU_SCALE:
-        return t  # (t - 0.0) * 1.0, bit for bit
+        return _recency  # (t - 0.0) * 1.0, bit for bit
+    lo_t, lo_e, w_t, w_e = s.lo_t, s.lo_e, s.w_t, s.w_e
     if s.spans is not None:
-        return _divided(t, e, s)
-    u = t - s.lo_t
-    u *= s.w_t
-    if s.w_e:
-        v = e - s.lo_e
-        v *= s.w_e
-        u += v
-    return u
+        span_t, span_e, alpha = s.spans
+        if span_t > 0 and span_e > 0:
+            return lambda t, e: (t - lo_t) / span_t * RECENCY_WEIGHT + alpha * ((e - lo_e) / span_e)
+        if span_t > 0:
+            return lambda t, e: (t - lo_t) / span_t * RECENCY_WEIGHT
+        return lambda t, e: (t - lo_t) * 0.0 + alpha * ((e - lo_e) / span_e)
+    if not w_e:
+        return lambda t, e: (t - lo_t) * w_t
+    return lambda t, e: (t - lo_t) * w_t + (e - lo_e) * w_e
 
 
-def _divided(t, e, s: Scale):
-    span_t, span_e, alpha = s.spans
-    u = (t - s.lo_t) / span_t * RECENCY_WEIGHT if span_t > 0 else (t - s.lo_t) * 0.0
-    if span_e > 0:
-        u = u + alpha * ((e - s.lo_e) / span_e)
-    return u
+def _recency(t, e):
+    return t
+
+
+def utility(t, e, s: Scale):
+    """The score of one candidate (floats) or of each of several (numpy arrays) under `s`
+    (`scorer(s)(t, e)`)."""
+    return scorer(s)(t, e)
 
 
 def scores(t: np.ndarray, e: np.ndarray, alpha: float) -> np.ndarray:

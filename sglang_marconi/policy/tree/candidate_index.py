@@ -144,18 +144,17 @@ class CandidateIndex:
 
     def scale(self, alpha: float) -> score.Scale:
         """The score's scale over the current candidates (`score.scale`)."""
-        n = len(self.items)
-        columns = self._columns[:, :n]
         if not alpha:
             return score.LRU_SCALE
+        columns = self._columns[:, :len(self.items)]
         (lo_t, lo_e), (hi_t, hi_e) = columns.min(axis=1).tolist(), columns.max(axis=1).tolist()
         return score.scale(lo_t, hi_t, lo_e, hi_e, alpha)
 
     def scores(self, alpha: float) -> np.ndarray:
-        """Every candidate's score (`score.utility`), by slot (alpha = 0: its recency, a view:
+        """Every candidate's score (`score.scorer`), by slot (alpha = 0: its recency, a view:
         read only)."""
         columns = self._columns[:, :len(self.items)]
-        return score.utility(columns[0], columns[1], self.scale(alpha))
+        return score.scorer(self.scale(alpha))(columns[0], columns[1])
 
     def lowest(self, alpha: float) -> Any:
         """The candidate with the lowest score (alpha = 0 is LRU), exact ties to the smallest tie
@@ -195,9 +194,10 @@ def lowest_across(indexes, alpha: float):
         scale = score.scale(min(float(cols[0].min()) for _, cols in live), max(float(cols[0].max()) for _, cols in live),
                             min(float(cols[1].min()) for _, cols in live), max(float(cols[1].max()) for _, cols in live),
                             alpha)
+    scorer = score.scorer(scale)
     best = None  # (score, tie key, index position, slot)
     for i, cols in live:
-        scores = score.utility(cols[0], cols[1], scale)
+        scores = scorer(cols[0], cols[1])
         j = score.lowest_slot(scores, indexes[i].least_key)
         candidate = (float(scores[j]), indexes[i].tie_key_at(j), i, j)
         if best is None or candidate[:2] < best[:2]:

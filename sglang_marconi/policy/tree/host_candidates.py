@@ -84,5 +84,6 @@ def ranked_below_across(indexes, alpha: float, last_access: float, efficiency: f
         e = [float(c[1].min()) for c in live if c.shape[1]] + [float(c[1].max()) for c in live if c.shape[1]]
         scale = score.scale(min(t + [last_access]), max(t + [last_access]),
                             min(e + [efficiency]), max(e + [efficiency]), alpha)
-    incoming = score.utility(last_access, efficiency, scale)
-    return [score.utility(c[0], c[1], scale) < incoming for c in live]
+    scorer = score.scorer(scale)
+    incoming = scorer(last_access, efficiency)
+    return [scorer(c[0], c[1]) < incoming for c in live]

@@ -3,7 +3,7 @@
 Contract: `lowest(alpha)` returns the key of the candidate with the lowest score
 (`policy/rules/score.py`, normalized over the whole set), exact ties to the lowest tie id: the
 candidate a from-scratch `score.scores` over all of them, sorted by (score, tie id), puts first.
-Each candidate's score is `score.utility` under the set's `score.scale`, the same floating-point
+Each candidate's score is `score.scorer` under the set's `score.scale`, the same floating-point
 operations as there, so the choice is the same bit for bit, not merely close.
 
 How: candidates live in the slots of dense arrays, grouped in blocks of `block` slots; each block
@@ -61,6 +61,7 @@ class RankedCandidates:
         self._stale: set[int] = set()  # blocks whose extremes may be too wide
         self._extremes = None  # global (lo_t, lo_e, hi_t, hi_e), exact; None: to recompute
         self._scale = None  # the `score.Scale` the per-block values hold for
+        self._scorer = None  # `score.scorer(self._scale)`
         self._best = np.full(blocks, _INF)  # per block: its front's first score, else a lower bound
         self._front: list = [None] * blocks  # per block: [(score, tie, slot), ...] sorted, or None
         self._floor = [_INF] * blocks  # per block with a front: no other slot scores below this
@@ -150,7 +151,7 @@ class RankedCandidates:
         scale = self._scale
         if scale is None:
             return
-        value = score.utility(recency, efficiency, scale)
+        value = self._scorer(recency, efficiency)
         front = self._front[b]
         if front is None:
             if value < self._best[b]:
@@ -239,8 +240,8 @@ class RankedCandidates:
             return self._lowest_degenerate(alpha, g)
         scale = score.scale(g[0], g[2], g[1], g[3], alpha)
         if scale != self._scale:  # every block back to its bound
-            self._scale = scale
-            self._best[:used] = score.utility(np.array(self._lo_t[:used]), np.array(self._lo_e[:used]), scale)
+            self._scale, self._scorer = scale, score.scorer(scale)
+            self._best[:used] = self._scorer(np.array(self._lo_t[:used]), np.array(self._lo_e[:used]))
             self._front[:used] = [None] * used
         values = self._best[:used]
         while True:
@@ -270,7 +271,7 @@ class RankedCandidates:
         """Score block `b` under the current scale: its front and floor."""
         start = b * self._block
         cols = self._cols[:, start:start + self._block]
-        s = score.utility(cols[_T], cols[_E], self._scale)  # dead slots: +inf
+        s = self._scorer(cols[_T], cols[_E])  # dead slots: +inf
         k = min(FRONT + 1, len(s))
         low = np.argpartition(s, k - 1)[:k] if k < len(s) else np.arange(len(s))
         entries = sorted(zip(s[low].tolist(), self._tie[start + low].tolist(), (start + low).tolist()))
@@ -290,7 +291,7 @@ class RankedCandidates:
 
     def _lowest_degenerate(self, alpha: float, extremes):
         """All candidates have one recency (it cannot rank them): rank them directly, by
-        `score.utility` on each (in practice: one candidate)."""
-        scale = score.scale(extremes[0], extremes[2], extremes[1], extremes[3], alpha)
-        best = min(self._entries.values(), key=lambda v: (score.utility(v[1], v[2], scale), v[3]))
+        `score.scorer` on each (in practice: one candidate)."""
+        scorer = score.scorer(score.scale(extremes[0], extremes[2], extremes[1], extremes[3], alpha))
+        best = min(self._entries.values(), key=lambda v: (scorer(v[1], v[2]), v[3]))
         return self._keys[best[0]]

@@ -4,10 +4,12 @@ reference on its tree after every request), a running request's window is held t
 evictions its own allocations cause, and the tuner's shadows are that model. Request by request
 agreement with SGLang's own cache is `tests/serving/test_sim_equivalence.py`'s."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from sglang_marconi.policy.cost.model_profile import AttentionSpec, MlpSpec, ModelProfile, load_profile
+from sglang_marconi.policy.cost.model_profile import load_profile
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.tree.served_window_cache import ServedWindowCache
 from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
@@ -16,11 +18,7 @@ from sglang_marconi.sim.baselines.swa_radix import served_marconi_swa
 from sglang_marconi.sim.synthetic import generate
 
 W = 8
-_ATT = AttentionSpec(n_heads=2, n_kv_heads=1, head_dim=8, d_in=16, d_out=16)
-TINY = ModelProfile(name="tiny-swa", architecture="test", hidden_size=16, dtype_bytes=2, ssm_dtype_bytes=2,
-                    n_attention_layers=1, attention=_ATT, n_mlp_layers=4,
-                    mlp=MlpSpec(d_model=16, intermediate_size=32), n_swa_layers=3, swa_attention=_ATT,
-                    sliding_window=W)
+TINY = dataclasses.replace(load_profile("gpt-oss-20b"), name="gpt-oss-20b-window-8", sliding_window=W)
 
 
 def reusable(cache: ServedWindowCache, tokens, hit: int) -> bool:

@@ -178,15 +178,13 @@ class ServedWindowCache:
         return self._clock
 
     def _tick(self) -> float:
-        t = self._clock
         self._clock += 1.0
-        return t
+        return self._clock - 1.0
 
     def _new_node(self, parent, key, end) -> _Node:
-        node = _Node(self._next_id, parent, key, end)
-        self._next_id += 1
-        node.last_access = self._tick()  # UnifiedTreeNode: last_access_time, then creation_time
-        self._tick()
+        """UnifiedTreeNode(): the next id, and two ticks (last_access_time, then creation_time)."""
+        node, self._next_id = _Node(self._next_id, parent, key, end), self._next_id + 1
+        node.last_access, self._clock = self._clock, self._clock + 2.0
         return node
 
     # -- one request -----------------------------------------------------------------------------
@@ -552,11 +550,11 @@ class ServedWindowCache:
 
     # -- reading ---------------------------------------------------------------------------------
     def _nodes(self):
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        """Every node below the root, level by level."""
+        level = list(self.root.children.values())
+        while level:
+            yield from level
+            level = [child for node in level for child in node.children.values()]
 
     def peek_hit(self, input_tokens) -> int:
         """The hit `serve` would report for this input, changing nothing."""

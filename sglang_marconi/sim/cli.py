@@ -228,7 +228,8 @@ def run(args: argparse.Namespace) -> list[RunResult]:
 
                 fixed = policy_name.partition(":")[2]
                 policy = served_marconi_swa(profile, *swa_pools, alpha=float(fixed) if fixed else args.alpha,
-                                            tuning=config, sync_every=args.tune_sync_every)
+                                            tuning=config, sync_every=args.tune_sync_every,
+                                            chunk_size=args.chunked_prefill_size)
                 runs.append(replay(workload, policy, profile, capacity, **replay_args))
                 if hasattr(policy, "request_records"):  # SWA policies: hit-end reasons per request
                     runs[-1].per_request.update(policy.request_records())

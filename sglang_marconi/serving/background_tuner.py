@@ -2,17 +2,19 @@
 through a shared-memory ring, whose decisions take effect at fixed points of the request stream.
 
 - Channel: a byte ring in shared memory (`shared_ring.py`): the scheduler copies each sampled
-  request's (`shadow_tuner.tuner_reads`) token buffers into it (a few microseconds: no system call, no lock, no helper thread
-  to contend for the GIL). Requests are handed over 16 at a time, and a partial batch as soon as
-  the scheduler goes idle (`flush_idle`) or its oldest request has waited `_HANDOVER_S`.
+  request's (`shadow_tuner.tuner_reads`) token buffers into it (a few microseconds: no system call,
+  no lock, no helper thread to contend for the GIL). Requests are handed over 16 at a time, and a
+  partial batch as soon as the scheduler goes idle (`flush_idle`) or its oldest request has waited
+  `_HANDOVER_S`.
 - Sync points: the child records its choice *as of* every `sync_every`-th request of the stream
   (`choice_at(k)`: after exactly `k * sync_every` requests). The runtime asks for `choice_at(k - 1)`
-  at release `k * sync_every` (`shadow_tuner.record_adopted_at`), so while the child keeps within one interval of the scheduler,
-  which choice is in force at every point of the stream is a function of the requests alone (two
-  runs fed the same stream switch at the same requests). The scheduler never waits for the child
-  longer than `wait_s` there (a late verdict is None: the runtime keeps its choice and asks again
-  at the next sync point), and a full ring waits at most `put_wait_s` before the request is
-  dropped from the shadows' sample (counted): the batch path never waits on the child unboundedly.
+  at release `k * sync_every` (`shadow_tuner.record_adopted_at`), so while the child keeps within
+  one interval of the scheduler, which choice is in force at every point of the stream is a function
+  of the requests alone (two runs fed the same stream switch at the same requests). The scheduler
+  never waits for the child longer than `wait_s` there (a late verdict is None: the runtime keeps
+  its choice and asks again at the next sync point), and a full ring waits at most `put_wait_s`
+  before the request is dropped from the shadows' sample (counted): the batch path never waits on
+  the child unboundedly.
 - Child: polls the ring (every 2 ms while requests come, every 50 ms when idle), runs the shadow
   caches at the lowest CPU priority (nice 19), and writes back through shared memory (`RawArray`,
   read without a lock): its current choice, requests read and observed, each candidate's score and

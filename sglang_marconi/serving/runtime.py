@@ -10,11 +10,11 @@ Sync points: every `sync_every` releases. There the leader takes the tuner's cho
 previous sync point* (waiting for the tuner at most `sync_wait_s`, counted in
 `marconi_sync_waits_late`; a late verdict keeps the choice in force and is taken at a later sync
 point) and, where it changes something, sends a `lockstep.Directive`: a rank alone applies it at
-once; in a TP / PP group it travels with the next iteration's requests and every rank applies it
-at the same point of its stream (`group_channel.py`). No rank ever waits on another. What the
-tuner is fed (`tuner_session_key`, `shadow_tuner.tuner_reads`) and which record a sync point takes
-(`shadow_tuner.sync_point_of`, `record_adopted_at`, `ServedTuning`) are the functions the simulator's model of
-this runtime calls too.
+once; in a TP / PP group it travels with the next iteration's requests and every rank applies it at
+the same point of its stream (`group_channel.py`). No rank ever waits on another. What the tuner is
+fed (`tuner_session_key`, `shadow_tuner.tuner_reads`) and which record a sync point takes
+(`shadow_tuner.sync_point_of`, `record_adopted_at`, `ServedTuning`) are the functions the
+simulator's model of this runtime calls too.
 
 What fails here never touches the tree (`faults.py`, rank-local): the tuner feed and the idle
 flush stop tuning (the leader tells the group), the figures and the exporter stop the metrics.

@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
+import importlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -29,18 +30,17 @@ CPU_ENGINE = Path(__file__).resolve().parents[1] / "cpu_engine"
 REFERENCES = Path(__file__).with_name("cpu_kernel_references.py")
 
 
-def _stand_ins():
-    """torch_kernels, imported without leaving tests/cpu_engine on sys.path (its sgl_kernel
-    stand-in must not shadow anything else the suite imports)."""
+def stand_ins(*names: str) -> tuple:
+    """The modules `names` of torch_kernels, imported without leaving tests/cpu_engine on sys.path
+    (its sgl_kernel stand-in must not shadow anything else the suite imports)."""
     sys.path.insert(0, str(CPU_ENGINE))
     try:
-        from torch_kernels import conv1d, gated_delta_rule, mamba2_scan
+        return tuple(importlib.import_module(f"torch_kernels.{name}") for name in names)
     finally:
         sys.path.remove(str(CPU_ENGINE))
-    return conv1d, gated_delta_rule, mamba2_scan
 
 
-conv1d, gated_delta_rule, mamba2_scan = _stand_ins()
+conv1d, gated_delta_rule, mamba2_scan = stand_ins("conv1d", "gated_delta_rule", "mamba2_scan")
 
 
 def _run_python(code_or_path, env_updates, timeout=300):

@@ -23,24 +23,12 @@ import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-CPU_ENGINE = Path(__file__).resolve().parents[1] / "cpu_engine"
+from test_cpu_kernels import stand_ins  # noqa: E402
 
-
-def _stand_ins():
-    """torch_kernels, imported without leaving tests/cpu_engine on sys.path (see test_cpu_kernels)."""
-    sys.path.insert(0, str(CPU_ENGINE))
-    try:
-        from torch_kernels import gated_delta_rule, mamba2_scan, state_snapshot
-    finally:
-        sys.path.remove(str(CPU_ENGINE))
-    return gated_delta_rule, mamba2_scan, state_snapshot
-
-
-gated_delta_rule, mamba2_scan, state_snapshot = _stand_ins()
+gated_delta_rule, mamba2_scan, state_snapshot = stand_ins("gated_delta_rule", "mamba2_scan", "state_snapshot")
 
 
 # ---------------------------------------------------------------- decode-time snapshots

@@ -40,8 +40,8 @@ import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
-from sglang_marconi.policy.rules.eviction.flop_aware import flops_saved_per_byte
 from sglang_marconi.policy.rules.probation import ProbationRegistry, evict_oldest_probationary
+from sglang_marconi.policy.rules.value import flops_saved_per_byte
 
 # Policies whose `choose` is `candidates.lowest(alpha)` (LRU: alpha 0): under a fixed choice the
 # core asks the index directly, saving a call per eviction; any other policy is asked through `choose`.
@@ -112,6 +112,10 @@ def check_capacity(profile, capacity_bytes, state_slots) -> None:
 class TreeCore:
     """The mechanics; a configuration calls `_configure` from its constructor."""
 
+    # Whether a node just locked must be refreshed even if it is not listed: its ancestors' values
+    # (`value_reaches_up`) or another index (the host tier's) may list it.
+    _lock_refreshes_unlisted = False
+
     def _configure(self, profile, capacity_bytes: int, eviction: EvictionPolicy, tree, index, *,
                    checkpoint_grid: int = 1, state_slots: int | None = None, probation: bool = False,
                    flops=None, fixed_choice: bool = False, counters=None) -> None:
@@ -169,6 +173,7 @@ class TreeCore:
         # The candidate index's second column: FLOP efficiency, unless the policy brings its own.
         self._node_value = self.flop_efficiency if value is None else functools.partial(value, self)
         self._value_reaches_up = getattr(eviction, "value_reaches_up", False)
+        self._refresh_every_locked = self._lock_refreshes_unlisted or self._value_reaches_up
         fixed_lowest = self._fixed_choice and type(eviction).choose in _CHOOSE_LOWEST
         self._alpha = getattr(eviction, "alpha", 0.0) if fixed_lowest else None
         # At alpha 0 (LRU, FLOP-aware at 0) the second column ranks nothing and is never read.
@@ -177,7 +182,7 @@ class TreeCore:
             self._refresh(node)
 
     def flop_efficiency(self, node) -> float:
-        """Eq. 1: FLOPs saved by reusing `node` rather than its parent, per byte its eviction
+        """Eq. 1 (`rules/value.py`): FLOPs saved by reusing `node` rather than its parent, per byte its eviction
         would free (a leaf frees KV and state, a single-child node only its state). A node
         without a state saves nothing on its own, unless the model has no SSM layers."""
         if not (node.has_state or self.attention_only):
@@ -269,9 +274,10 @@ class TreeCore:
     def lock(self, node) -> None:
         """Protect `node` and its ancestors from eviction (an in-flight request uses them)."""
         root = self.tree.root
+        refresh_all = self._refresh_every_locked
         while node is not root:
             node.lock_count += 1
-            if node.lock_count == 1:
+            if node.lock_count == 1 and (refresh_all or node.slot >= 0):  # else `_refresh` has nothing to do
                 self._refresh(node)
             node = node.parent
 

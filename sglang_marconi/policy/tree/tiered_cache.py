@@ -60,6 +60,7 @@ from sglang_marconi.policy.tree.core import TokenArrayRequests, TreeCore
 from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex
 from sglang_marconi.policy.tree.radix_tree import Node, RadixTree, as_token_array
 from sglang_marconi.policy.rules.tier_rules import Demotion, EvictionFacts, host_candidate_bytes
+from sglang_marconi.policy.rules.value import flops_saved_per_byte
 
 
 class TieredNode(Node):
@@ -133,6 +134,8 @@ def _digest(tokens: np.ndarray) -> bytes:
 
 
 class TieredPrefixCache(TokenArrayRequests, TreeCore):
+    _lock_refreshes_unlisted = True  # a locked node leaves the host's candidates too
+
     def __init__(self, profile, capacity_bytes: int, host_capacity_bytes: int, rules,
                  eviction: EvictionPolicy | None = None, *, checkpoint_grid: int = 1, page_size: int = 1,
                  verify: bool = False):
@@ -456,7 +459,11 @@ class TieredPrefixCache(TokenArrayRequests, TreeCore):
             self._set_state(node, host=False)
             self._refresh(node)
             return
-        c.bytes_evicted_host += self._host_bytes(node)
+        self._remove_host_leaf(node)
+
+    def _remove_host_leaf(self, node: TieredNode) -> None:
+        """A host-only leaf leaves the cache with its host copies; its parent is settled later."""
+        self.counters.bytes_evicted_host += self._host_bytes(node)
         self._set_kv(node, host=False)
         self._set_state(node, host=False)
         self._drop(node)
@@ -485,13 +492,7 @@ class TieredPrefixCache(TokenArrayRequests, TreeCore):
                 continue
             if (self.rules.drops_stateless_host_leaves and not node.kv_dev and not node.children
                     and not node.has_state and not node.lock_count):
-                self.counters.bytes_evicted_host += self._host_bytes(node)
-                self._set_kv(node, host=False)
-                self._drop(node)
-                self._drop_host(node)
-                parent = self.tree.remove_leaf(node)
-                self._refresh(parent)
-                self._unsettled[parent.id] = parent
+                self._remove_host_leaf(node)
                 continue
             parent = node.parent
             self._compress(node)
@@ -561,16 +562,15 @@ class TieredPrefixCache(TokenArrayRequests, TreeCore):
     def flop_efficiency(self, node: TieredNode) -> float:
         """Eq. 1 on the device: FLOPs a hit at `node` saves over its parent, per device byte its
         eviction frees (a device leaf its KV and device state, another candidate its state)."""
-        if not node.has_state:
-            return 0.0
-        freed = (self.ssm_state_bytes if node.st_dev else 0) + (self._kv_bytes(node) if self._is_device_leaf(node) else 0)
-        return self.profile.prefill_flops(node.parent.end, node.end) / freed if freed else 0.0
+        return self._value(node, (self.ssm_state_bytes if node.st_dev else 0)
+                           + (self._kv_bytes(node) if self._is_device_leaf(node) else 0))
 
     def _value(self, node: TieredNode, freed: int) -> float:
-        """FLOPs a hit at `node` saves over its parent per byte (`freed`), 0 without a state."""
-        if not node.has_state or not freed:
+        """Eq. 1 (`rules/value.py`): FLOPs a hit at `node` saves over its parent per byte (`freed`),
+        0 without a state."""
+        if not node.has_state:
             return 0.0
-        return self.profile.prefill_flops(node.parent.end, node.end) / freed
+        return flops_saved_per_byte(self.flops(node.parent.end, node.end), freed)
 
     def set_eviction(self, eviction: EvictionPolicy) -> None:
         """Switch the device's eviction policy (the tuner moves between choices)."""

@@ -1,4 +1,4 @@
-"""Host tier benchmark (issue 24.2): hits by tier for upstream's write-back (SGLang+: LRU on both
+"""Host tier benchmark: hits by tier for upstream's write-back (SGLang+: LRU on both
 tiers) and Marconi (tuned device eviction, demote-or-drop by FLOPs saved per byte with recency)
 on the Mooncake conversation trace and the synthetic kinds, a few device / host capacity pairs.
 
@@ -6,7 +6,7 @@ on the Mooncake conversation trace and the synthetic kinds, a few device / host 
         [--plot docs/host_tier.png]
 
 Per device capacity, host capacities 0 (no host tier), 2x (SGLang's default --hicache-ratio) and 6x
-(the ratio of the fleet issue 24 quotes) the device's. Per cell: SGLang+ and Marconi's token hit
+(a fleet's ratio) the device's. Per cell: SGLang+ and Marconi's token hit
 rate split into device and host hits, the ablation "Marconi's device eviction with upstream's
 write-back rule" (what the tier rule alone is worth), states lost (dropped at a device eviction
 or evicted by the host), GB loaded back and the MODELED p95 TTFT with load backs (A100-80GB).

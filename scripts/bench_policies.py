@@ -296,8 +296,8 @@ def run_suite(groups, quick, out: Path, cache_path: Path | None) -> int:
 
 # ---------------------------------------------------------------- speed against the authors' artifact
 
-# The artifact's tuned Marconi on this machine kind (issue 15, measured elsewhere: the artifact is
-# not in this repository), per trace shape, over its capacities: (low, high) seconds.
+# The artifact's tuned Marconi on this machine kind (measured elsewhere: the artifact is not in
+# this repository), per trace shape, over its capacities: (low, high) seconds.
 ARTIFACT_TUNED_S = {
     "synthetic:sharegpt": ((1, 5, 10), (1.1, 3.7)),  # ShareGPT-like, 100 sessions
     "synthetic:lmsys": ((1, 2, 5), (7.0, 30.0)),  # LMSys-like, 100 sessions

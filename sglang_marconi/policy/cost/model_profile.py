@@ -244,7 +244,7 @@ class ModelProfile:
     moe: MoeSpec | None = None
     source: str = ""
     # Sliding-window attention (SWA) layers: their K and V matter only for the `sliding_window`
-    # tokens before a position. Optional: profiles without them load and compute as before.
+    # tokens before a position. Optional: a profile without them has no SWA layers.
     n_swa_layers: int = 0
     swa_attention: AttentionSpec | None = None
     sliding_window: int = 0

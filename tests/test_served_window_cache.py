@@ -12,6 +12,7 @@ import pytest
 from sglang_marconi.policy.cost.model_profile import load_profile
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.tree.served_window_cache import ServedWindowCache
+from sglang_marconi.policy.tuning.sampling import session_in_sample
 from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
 from sglang_marconi.policy.tuning.window_tuner import WindowTuner
 from sglang_marconi.sim.baselines.swa_radix import served_marconi_swa
@@ -100,3 +101,22 @@ def test_bad_input_names_the_value():
     cache = ServedWindowCache(TINY, 10_000, 4 * W)
     with pytest.raises(MarconiError, match="out of memory: 41 tokens needed"):  # as SGLang's alloc_token_slots fails
         cache.serve(np.arange(1, 42), [5])
+
+
+def test_a_request_the_pools_cannot_hold_leaves_the_tree_consistent():
+    """Out of memory mid-request (SGLang's allocation fails): the request lets go of its lock, the
+    cache serves on; a tuner's shadow scaled below the served pools counts it as a miss."""
+    cache = ServedWindowCache(TINY, 10_000, 4 * W)
+    prefix = np.arange(1, 2 * W + 1)
+    cache.serve(np.concatenate((prefix, [100])), [7])
+    with pytest.raises(MarconiError, match="out of memory"):
+        cache.serve(np.concatenate((prefix, np.arange(200, 200 + 4 * W))), [5])  # hits the prefix, locks it
+    cache.check_invariants()  # no lock left behind
+    assert cache.serve(np.concatenate((prefix, [300, 301])), [7]).hit_tokens == 2 * W
+    tuner = WindowTuner(TINY, 0, None, ShadowConfig(alpha_grid=(0.0,), sample_rate=0.5), pools=(10_000, 4 * W))
+    assert tuner.shadows[0].swa_tokens == 4 * W  # the floor: a few windows
+    key = next(k for k in (f"s{i}" for i in range(100)) if session_in_sample(k, 0.5))
+    tuner.observe(key, np.arange(1, 6 * W), np.arange(9, 12))
+    assert tuner.last_hits == [0]
+    cache = tuner.shadows[0]
+    cache.check_invariants()

@@ -203,6 +203,15 @@ class ServedWindowCache:
         seq = as_token_array(seq)
         if n_in < 1 or n_in > len(seq):
             raise MarconiError(f"input of {n_in} tokens in a request of {len(seq)}")
+        try:
+            return self._serve(seq, n_in)
+        except MarconiError:  # out of memory: the request lets go of what it held, the tree stays consistent
+            req, self._req = self._req, None
+            if req is not None and req.lock is not None:
+                self._unlock(req.lock)
+            raise
+
+    def _serve(self, seq: np.ndarray, n_in: int) -> WindowOutcome:
         n_out = len(seq) - n_in + 1
         hit_node, full_hit = self._match(seq[: n_in - 1])
         hit = hit_node.end

@@ -40,9 +40,10 @@ class WindowTuner:
         self.choices = tuple(config.alpha_grid)
         rate = config.sample_rate
         self.served = pools is not None
+        self.scaled = self.served and rate < 1
         if self.served:
             kv_tokens, swa_tokens = pools
-            if rate < 1:  # a shadow must hold a few windows whatever the sample rate
+            if self.scaled:  # a shadow must hold a few windows whatever the sample rate
                 floor = 4 * profile.sliding_window
                 kv_tokens, swa_tokens = max(int(kv_tokens * rate), floor), max(int(swa_tokens * rate), floor)
             self.shadows = [ServedWindowCache(profile, kv_tokens, swa_tokens, alpha=a, chunk_size=chunk_size)
@@ -94,7 +95,7 @@ class WindowTuner:
         inp = np.asarray(input_tokens, dtype=np.int64)
         if self.served:  # output_tokens: what the served cache keeps of the output
             seq = np.concatenate((inp, np.asarray(output_tokens, dtype=np.int64)))
-            hits = [shadow.serve_kept(seq, len(inp)).hit_tokens for shadow in self.shadows]
+            hits = [self._served_hit(shadow, seq, len(inp)) for shadow in self.shadows]
         else:
             hits = [shadow.serve(inp, output_tokens)[0].hit_tokens for shadow in self.shadows]
         self.last_hits = hits
@@ -107,6 +108,16 @@ class WindowTuner:
         if self.log.sampled % self.config.epoch:
             return None
         return self._decide()
+
+    def _served_hit(self, shadow: ServedWindowCache, seq: np.ndarray, n_in: int) -> int:
+        """The shadow's hit. A shadow scaled below the served pools may not hold a request the
+        server holds: that request counts as a miss there (the shadow stays consistent)."""
+        try:
+            return shadow.serve_kept(seq, n_in).hit_tokens
+        except MarconiError:
+            if not self.scaled:
+                raise
+            return 0
 
     def _decide(self) -> float | None:
         c, ev, cur = self.config, self.evidence, self.index

@@ -253,7 +253,8 @@ SWA_CONFIGS = {
 }
 SWA_TIGHT = {
     "swa-lmsys-tight-a1": ("lmsys", dict(sessions=8, scale=0.1, seed=1), 2500, 1100, None, 1.0),  # both pools evict
-    "swa-sharegpt-tight-chunked-auto": ("sharegpt", dict(sessions=10, scale=0.3, seed=3), 4000, 1500, 64, "auto"),
+    # tuned: both adopt alpha 100 at request 128
+    "swa-sharegpt-tight-chunked-auto": ("sharegpt", dict(sessions=20, scale=0.1, seed=1), 3000, 1200, 64, "auto"),
 }
 
 
@@ -279,3 +280,4 @@ def test_simulator_describes_the_served_swa_cache_under_pressure(check, name):
     assert report.ok, "\n".join(report.lines())
     assert report.config["served_evictions"] > report.requests // 2, report.config  # SWA pressure throughout
     assert report.config["served_choices"] == report.config["sim_choices"]
+    assert bool(report.config["served_choices"]) == (SWA_TIGHT[name][-1] == "auto")  # the tuned case switches

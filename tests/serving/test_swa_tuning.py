@@ -56,7 +56,8 @@ def test_the_window_shadows_model_the_served_pools():
     profile = cc.settings.profile
     full, swa = 40_000 * profile.kv_bytes_per_token, SWA_POOL * profile.swa_kv_bytes_per_token
     assert spec.kind == "window" and spec.capacity_bytes == int(full + swa)
-    assert spec.options["swa_share"] == pytest.approx(swa / (full + swa)) and spec.options["pools"] == (40_000, SWA_POOL)
+    assert spec.options["swa_share"] == pytest.approx(swa / (full + swa))
+    assert spec.options["pools"] == (40_000, SWA_POOL)
     shadows = runtime.tuner.tuner.shadows
     assert [type(s) for s in shadows] == [ServedWindowCache] * 2 and [s.alpha for s in shadows] == [0.0, 20.0]
     assert {(s.kv_tokens, s.swa_tokens, s.window) for s in shadows} == {(40_000, SWA_POOL, WINDOW)}

@@ -40,13 +40,12 @@ are those of `tests/serving/sglang_swa_cpu.run_swa_request`; `scripts/check_sim_
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.rules.window_plan import LEAF, STALE, WindowPlan, reference_plan
+from sglang_marconi.policy.rules.window_plan import LEAF, STALE, WindowPlan
 from sglang_marconi.policy.tree.radix_tree import as_token_array
 
 SWA_EVICTION_INTERVAL = 128  # SGLANG_SWA_EVICTION_INTERVAL: decode tokens between two out-of-window frees
@@ -132,7 +131,8 @@ class ServedWindowCache:
     def __init__(self, profile, kv_tokens: int, swa_tokens: int, alpha: float = 0.0, *,
                  chunk_size: int | None = None, window: int | None = None):
         if not getattr(profile, "has_sliding_window", False):
-            raise MarconiError(f"model {profile.name} has no sliding-window layers: the served SWA cache does not apply")
+            raise MarconiError(f"model {profile.name} has no sliding-window layers: the served SWA cache does not "
+                               f"apply")
         for name, value in (("kv_tokens", kv_tokens), ("swa_tokens", swa_tokens)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise MarconiError(f"{name} must be a positive integer, got {value!r}")
@@ -530,11 +530,9 @@ class ServedWindowCache:
             pending, unusable = list(nodes), nodes
 
     def _fallback_victim(self) -> _Node | None:
-        best = None
-        for node in self._nodes():
-            if node.swa and not node.swa_lock and (best is None or (node.last_access, node.id) < (best.last_access, best.id)):
-                best = node
-        return best
+        """SGLang's LRU step, approximated: the least recently accessed live unlocked SWA KV."""
+        live = [node for node in self._nodes() if node.swa and not node.swa_lock]
+        return min(live, key=lambda node: (node.last_access, node.id), default=None)
 
     def _tombstone(self, node: _Node) -> int:
         node.swa = False
@@ -582,22 +580,9 @@ class ServedWindowCache:
             node, pos = child, pos + m
         return hit
 
-    @property
-    def nodes(self) -> int:
-        return sum(1 for _ in self._nodes())
-
-    def copy(self, alpha: float | None = None) -> ServedWindowCache:
-        clone = copy.deepcopy(self, {id(self.profile): self.profile})
-        if alpha is not None:
-            clone.alpha = float(alpha)
-        return clone
-
     def check_plan(self) -> None:
         """Assert the incremental plan equals `window_plan.reference_plan` on this tree."""
         self.plan.check(self.alpha)
-
-    def reference_victims(self) -> list:
-        return reference_plan(self.root, self.window, self.plan.view, self.profile, self.alpha)
 
     def check_invariants(self) -> None:
         full = swa = 0

@@ -141,6 +141,8 @@ class TreeCore:
         self.probation = probation
         self._probation = ProbationRegistry()
         self._fixed_choice = fixed_choice
+        # A configuration may bring its own candidate predicate; else `_refresh` applies this one inline.
+        self._candidates_overridden = type(self)._is_candidate is not TreeCore._is_candidate
         self.eviction = None
         self.set_eviction(eviction)
 
@@ -201,7 +203,10 @@ class TreeCore:
 
     def _refresh(self, node) -> None:
         """List, re-score or unlist `node` after any edit at it."""
-        if self._is_candidate(node):
+        children = len(node.children)
+        if (self._is_candidate(node) if self._candidates_overridden else  # else `_is_candidate`, inline: the hot path
+                not node.lock_count and node.parent is not None and (
+                    children == 0 or (children == 1 and node.has_state and self._evicts_single_child))):
             value = self._node_value(node) if self._ranks_by_value else 0.0
             if node.slot < 0:
                 node.slot = self.index.add(node, node.last_access, value)
@@ -277,8 +282,11 @@ class TreeCore:
         refresh_all = self._refresh_every_locked
         while node is not root:
             node.lock_count += 1
-            if node.lock_count == 1 and (refresh_all or node.slot >= 0):  # else `_refresh` has nothing to do
-                self._refresh(node)
+            if node.lock_count == 1:
+                if refresh_all:
+                    self._refresh(node)
+                elif node.slot >= 0:  # all `_refresh` would do: a locked node is no candidate
+                    self._drop(node)
             node = node.parent
 
     def unlock(self, node) -> None:

@@ -6,9 +6,9 @@ the edge kind (`ReferencedTree`, `ShadowNode`) and the request form (a `SharedMa
 
 Every decision the tuner makes rests on these caches behaving exactly like the live cache would with
 the same choice: the same nodes, the same candidate-index slots in the same order (a near-tie goes
-where the reference's arithmetic sends it), the same clock (`tests/test_shadow_cache.py` compares them on random streams,
-`tests/test_shadow_equivalence.py` the tuner built on them with the original tuner). What differs is
-only what the work costs, which the tuner pays once per candidate choice:
+where the reference's arithmetic sends it), the same clock (`tests/test_shadow_cache.py` compares
+them on random streams, `tests/test_shadow_equivalence.py` the tuner built on them with the
+original tuner). What differs is only what the work costs, which the tuner pays once per choice:
 
 - An edge is (src, start, end): the tokens src[start:end] of the request that admitted them, whose
   own prefix src[:start] is the path above. Splitting moves `start`, merging a node into its child
@@ -16,8 +16,7 @@ only what the work costs, which the tuner pays once per candidate choice:
 - Matching goes through the request's `SharedMatch`, which compares the request with each source
   once for all shadows (`policy/tree/shared_match.py`); a walk is then dict lookups.
 - One walk per request: `lookup` walks the whole sequence and leaves the walk to `admit` (the
-  lookup's walk of the input is its prefix); the admitted states are found on the admitted path,
-  not by walking again.
+  lookup's walk of the input is its prefix).
 - FLOPs of a span come from a table shared by the tuner's caches; the candidate index is
   `SmallCandidateIndex` (same slots, cheaper operations, the reference's victim); the value column
   is computed only where the shadow's fixed choice ranks by it.

@@ -119,11 +119,3 @@ def lowest_slot(values, least_key) -> int:
         return slot
     return least_key(np.flatnonzero(equal))
 
-
-def minmax(values: np.ndarray) -> np.ndarray:
-    """Min-max normalized to [0, 1]; all equal: zeros."""
-    lo = values.min()
-    span = values.max() - lo
-    if span <= 0:
-        return np.zeros(len(values))
-    return (values - lo) / span

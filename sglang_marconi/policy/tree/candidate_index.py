@@ -24,7 +24,6 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from sglang_marconi.policy.rules import score
-from sglang_marconi.policy.rules.score import minmax  # noqa: F401 (window_cache's import)
 
 TieKey = Union[int, tuple]
 

@@ -41,7 +41,7 @@ import numpy as np
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
 from sglang_marconi.policy.rules.probation import ProbationRegistry, evict_oldest_probationary
-from sglang_marconi.policy.rules.value import flops_saved_per_byte
+from sglang_marconi.policy.rules import value as value_rule
 
 # Policies whose `choose` is `candidates.lowest(alpha)` (LRU: alpha 0): under a fixed choice the
 # core asks the index directly, saving a call per eviction; any other policy is asked through `choose`.
@@ -189,7 +189,7 @@ class TreeCore:
         without a state saves nothing on its own, unless the model has no SSM layers."""
         if not (node.has_state or self.attention_only):
             return 0.0
-        return flops_saved_per_byte(self.flops(node.parent.end, node.end),
+        return value_rule.flops_saved_per_byte(self.flops(node.parent.end, node.end),
                                     self.ssm_state_bytes if node.has_state else 0,
                                     0 if node.children else (node.end - node.parent.end) * self.kv_bytes_per_token)
 

@@ -60,7 +60,7 @@ from sglang_marconi.policy.tree.core import TokenArrayRequests, TreeCore
 from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex
 from sglang_marconi.policy.tree.radix_tree import Node, RadixTree, as_token_array
 from sglang_marconi.policy.rules.tier_rules import Demotion, EvictionFacts, host_candidate_bytes
-from sglang_marconi.policy.rules.value import flops_saved_per_byte
+from sglang_marconi.policy.rules import value as value_rule
 
 
 class TieredNode(Node):
@@ -570,7 +570,7 @@ class TieredPrefixCache(TokenArrayRequests, TreeCore):
         0 without a state."""
         if not node.has_state:
             return 0.0
-        return flops_saved_per_byte(self.flops(node.parent.end, node.end), freed)
+        return value_rule.flops_saved_per_byte(self.flops(node.parent.end, node.end), freed)
 
     def set_eviction(self, eviction: EvictionPolicy) -> None:
         """Switch the device's eviction policy (the tuner moves between choices)."""

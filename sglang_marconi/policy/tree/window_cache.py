@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_marconi.policy.tree.candidate_index import minmax
+from sglang_marconi.policy.rules import score
+from sglang_marconi.policy.rules import value as value_rule
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.tree.radix_tree import Node, RadixTree, as_token_array
 
@@ -404,10 +405,12 @@ class WindowPrefixCache:
             return None
         if self.rules.ranking == "flops" and self.alpha:
             idx = np.flatnonzero(mask)
-            score = minmax(last[idx]) * (1.0 + 1e-12) + self.alpha * minmax(value[idx])
-            i = int(idx[int(score.argmin())])
+            items = c.items
+            i = int(idx[score.lowest_slot(score.scores(last[idx], value[idx], self.alpha),
+                                          lambda tied: min(tied, key=lambda j: items[idx[j]].id))])
         else:
-            i = int(np.where(mask, last, np.inf).argmin())
+            masked = np.where(mask, last, np.inf)
+            i = score.lowest_slot(masked, lambda tied: min(tied, key=lambda j: c.items[j].id))
         node = c.items[i]
         if leaf[i] and not (self.rules.window_victims == "any" and pool == "swa"):
             return node, LEAF
@@ -440,7 +443,7 @@ class WindowPrefixCache:
         if self._run_at_end(node) < min(self.window, node.end):
             return 0.0  # nothing can hit here: free it first
         freed = self._swa(node) * self.swa_bpt + (len(node.tokens) * self.full_bpt if leaf else 0)
-        return self.profile.prefill_flops(node.parent.end, node.end) / freed if freed else 0.0
+        return value_rule.flops_saved_per_byte(self.profile.prefill_flops(node.parent.end, node.end), freed)
 
     def _refresh(self, node: Node) -> None:
         if node is self.tree.root or node.parent is None:

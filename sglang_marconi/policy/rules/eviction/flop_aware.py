@@ -9,7 +9,6 @@ from __future__ import annotations
 from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules.eviction.base import EvictionPolicy
-from sglang_marconi.policy.rules.value import flops_saved_per_byte  # noqa: F401 (Eq. 1: rules/value.py)
 
 
 def check_alpha(alpha) -> float:

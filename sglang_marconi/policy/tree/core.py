@@ -133,7 +133,7 @@ class TreeCore:
         self.tree = tree
         self.index = index
         touch = getattr(index, "touch", None)
-        self._stamp = touch if touch is not None else functools.partial(_stamp_recency, index)
+        self._stamp_recency = touch if touch is not None else functools.partial(_stamp_recency, index)
         self.kv_tokens = 0
         self.ssm_states = 0
         self.clock = 0.0
@@ -239,7 +239,7 @@ class TreeCore:
         self.clock += 1.0
         node.last_access = self.clock
         if node.slot >= 0:
-            self._stamp(node.slot, self.clock)
+            self._stamp_recency(node.slot, self.clock)
 
     def _touch_hit(self, path: list, hit_node) -> None:
         if self.eviction.refresh_matched_path:
@@ -509,7 +509,7 @@ class TreeCore:
                             self.checkpoint_grid, self.tree.page_size, self.state_slots,
                             tuple(order[n.id] for n in self._probation), self.probation)
 
-    def _restore(self, snap: TreeSnapshot) -> None:
+    def _load_snapshot(self, snap: TreeSnapshot) -> None:
         """Rebuild an empty cache's contents from `snap`."""
         built: list = []
         root = self.tree.root

@@ -99,5 +99,5 @@ class HybridPrefixCache(TokenArrayRequests, TreeCore):
             profile, capacity_bytes or snap.capacity_bytes, eviction, checkpoint_grid=snap.checkpoint_grid,
             page_size=snap.page_size, state_slots=snap.state_slots, probation=snap.keeps_probation,
         )
-        cache._restore(snap)
+        cache._load_snapshot(snap)
         return cache

@@ -236,5 +236,5 @@ class ShadowCache(TreeCore):
         cache = cls(profile, snap.capacity_bytes, eviction, checkpoint_grid=snap.checkpoint_grid,
                     page_size=snap.page_size, state_slots=snap.state_slots, probation=snap.keeps_probation,
                     flops=flops)
-        cache._restore(snap)
+        cache._load_snapshot(snap)
         return cache

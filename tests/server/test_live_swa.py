@@ -16,6 +16,7 @@ contiguous K/V with the window mask.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import random
 from pathlib import Path
@@ -304,7 +305,11 @@ def test_shared_prompt_survives_a_flood_that_upstream_loses_it_to(swa_server, up
 
     shared = 4 * SLIDING_WINDOW
     before = marconi_figures(swa_server.url)
-    runs, after = _shared_prompt_after_flood(swa_server.url)
+    # The two servers are independent: upstream's sequence runs beside ours.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        upstream_sequence = pool.submit(_shared_prompt_after_flood, upstream_swa_server.url)
+        runs, after = _shared_prompt_after_flood(swa_server.url)
+        up_runs, up_after = upstream_sequence.result()
     figures = marconi_figures(swa_server.url)
     evicted = sum(figures[f"marconi_evictions_{k}"] - before[f"marconi_evictions_{k}"]
                   for k in ("stale", "window", "leaf", "fallback"))
@@ -317,7 +322,6 @@ def test_shared_prompt_survives_a_flood_that_upstream_loses_it_to(swa_server, up
     # Upstream, the same sequence: its LRU walk frees the oldest SWA KV first, the shared
     # prompt's window among it, so the new user recomputes it (a hit at most up to a point
     # whose window some request left behind).
-    up_runs, up_after = _shared_prompt_after_flood(upstream_swa_server.url)
     assert up_runs[2].cached_tokens == shared
     assert up_after.cached_tokens < shared, [r.cached_tokens for r in up_runs + [up_after]]
     assert "leak detected" not in swa_server.log_path.read_text(errors="replace")

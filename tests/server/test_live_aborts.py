@@ -161,15 +161,27 @@ def check(url: str, label: str):
     return done
 
 
-def test_hits_after_dropped_streams_equal_cold_on_ours_and_upstream(tiny_model, launch):
+def test_hits_after_dropped_streams_equal_cold_on_ours_and_upstream(tiny_model, tmp_path):
+    """Ours and upstream's serve the same traffic side by side: the two servers share nothing, and
+    each comparison is between requests of one server (`BATCH_GAP`: the bits do not depend on the
+    load around a request)."""
+    import concurrent.futures
+
+    from live_server import start_server
+
     model = tiny_model("gated-delta")
-    ours = launch(model, launcher="marconi", extra_args=FLAGS)
-    try:
-        check(ours.url, "marconi")
-    finally:
-        ours.stop()
-    upstream = launch(model, launcher="sglang", extra_args=FLAGS)
-    try:
-        check(upstream.url, "upstream")
-    finally:
-        upstream.stop()
+    launchers = {"marconi": "marconi", "upstream": "sglang"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        started = {label: pool.submit(start_server, model, launcher=launcher, extra_args=FLAGS,
+                                      log_path=tmp_path / f"{label}.log")
+                   for label, launcher in launchers.items()}
+        try:
+            servers = {label: future.result() for label, future in started.items()}
+            checks = [pool.submit(check, server.url, label) for label, server in servers.items()]
+            for future in checks:
+                future.result()
+        finally:
+            concurrent.futures.wait(started.values())
+            for future in started.values():
+                if future.exception() is None:
+                    future.result().stop()

@@ -10,14 +10,16 @@ import re
 
 from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
 from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.rules.eviction.depth import check_exponent
 from sglang_marconi.policy.rules.eviction.flop_aware import check_alpha
-from sglang_marconi.sim.baselines.hybrid_radix import coverage, marconi, sglang_plus
+from sglang_marconi.sim.baselines.hybrid_radix import HybridRadixPolicy, coverage, marconi, sglang_plus
 from sglang_marconi.sim.baselines.infinite import InfiniteCache
 from sglang_marconi.sim.baselines.no_cache import NoCache
 from sglang_marconi.sim.baselines.vllm_plus import VllmPlusCache
 from sglang_marconi.sim.kv_blocks.registry import KV_POLICIES, is_kv_policy, parse_kv_spec
 
-POLICY_NAMES = ("none", "vllm+", "sglang+", "coverage", "marconi", "marconi-best", "belady", "infinite", "furiosa")
+POLICY_NAMES = ("none", "vllm+", "sglang+", "coverage", "marconi", "marconi-best", "belady", "infinite", "furiosa",
+                "depth")
 # Policies a sliding-window (SWA) hybrid runs (`sim/baselines/swa_radix.py`); furiosa runs only there.
 SWA_POLICY_NAMES = ("none", "furiosa", "sglang+", "marconi", "infinite")
 # Policies whose result does not depend on the cache capacity: run once, not per capacity.
@@ -41,9 +43,16 @@ def check_policy_name(name: str) -> str:
         parse_kv_spec(name)
         return name
     base, sep, alpha = name.partition(":")
-    if base not in POLICY_NAMES or (sep and base != "marconi"):
-        raise MarconiError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}, marconi:ALPHA "
-                           f"or {', '.join(KV_POLICIES)}")
+    if base not in POLICY_NAMES or (sep and base not in ("marconi", "depth")) or (base == "depth" and not sep):
+        raise MarconiError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}, marconi:ALPHA, "
+                           f"depth:B, depth:auto or {', '.join(KV_POLICIES)}")
+    if base == "depth":
+        if alpha != "auto":
+            try:
+                check_exponent(float(alpha))
+            except ValueError:
+                raise MarconiError(f"policy {name!r}: exponent {alpha!r} is not a number or 'auto'") from None
+        return name
     if sep:
         try:
             check_alpha(float(alpha))
@@ -98,6 +107,11 @@ def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None
         return sglang_plus(profile, capacity_bytes, checkpoint_grid=checkpoint_grid, probation=probation)
     if base == "coverage":
         return coverage(profile, capacity_bytes, checkpoint_grid=checkpoint_grid, probation=probation)
+    if base == "depth":  # a fixed depth-aware eviction (`eviction/depth.py`), its own record of finished sequences
+        from sglang_marconi.policy.tuning.shadow_tuner import eviction_for
+
+        return HybridRadixPolicy(name, profile, capacity_bytes, eviction_for(name), checkpoint_grid=checkpoint_grid,
+                                 probation=probation)
     return marconi(profile, capacity_bytes, alpha=float(fixed) if fixed else alpha,
                    checkpoint_grid=checkpoint_grid, tuning=tuning, probation=probation)
 

@@ -36,8 +36,11 @@ def auto_sample_rate(workload: Workload, profile, capacity_bytes: int, n_choices
 
 
 def shadow_config_for(workload: Workload, profile, capacity_bytes: int, config: ShadowConfig,
-                      sample_rate: float | None) -> ShadowConfig:
-    """`config` with `sample_rate`, or the automatic rate for this workload and capacity if None."""
+                      sample_rate: float | None, *, depth: bool = True) -> ShadowConfig:
+    """`config` with `sample_rate`, or the automatic rate for this workload and capacity if None;
+    with `depth`, the depth-aware choices too (`ShadowConfig.with_depth`) unless `config` names some."""
+    if depth and not config.has_depth:
+        config = config.with_depth()
     if sample_rate is None:
         sample_rate = auto_sample_rate(workload, profile, capacity_bytes, len(config.choices))
     return replace(config, sample_rate=sample_rate)

@@ -9,8 +9,12 @@ shadow cache per candidate choice, all kept running on the same sample of sessio
   first eviction it forks into one shadow per candidate, so a cache that never fills costs one
   shadow, not one per candidate.
 - Candidates: SGLang's LRU, FLOP-aware eviction at each alpha of the grid (alpha = 0 is its own
-  choice: LRU over Marconi's candidates, refreshing only the node hit), and SegLen-style eviction
-  at each of its weights (`eviction/seglen.py`).
+  choice: LRU over Marconi's candidates, refreshing only the node hit), SegLen-style eviction
+  at each of its weights (`eviction/seglen.py`), and depth-aware eviction at each exponent and
+  with the exponent learned (`eviction/depth.py`; over the policy core's caches only). The depth
+  choices read one record of finished sequences (`rules/continuation.py`) that the tuner feeds
+  with every request it is given, after its caches served it; the live cache adopting one reads
+  the same record (`adopt_choice`).
 - Evidence (`Evidence`): per candidate, exponentially decayed sums of what its shadow saved on
   each sampled request (prefill FLOPs, `objective="flops"`, or hit tokens) over a long window
   (`half_life` sampled requests) and a short one (`guard_half_life`), from the fork on, beside
@@ -66,8 +70,10 @@ from typing import Sequence
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.rules.eviction import (CoverageEviction, EvictionPolicy, FlopAwareEviction, LruLeafEviction,
-                                            SegLenEviction)
+from sglang_marconi.policy.rules.continuation import ContinuationRecord
+from sglang_marconi.policy.rules.eviction import (CalibratedDepthEviction, CoverageEviction, DepthEviction, EvictionPolicy,
+                                                  FlopAwareEviction, LruLeafEviction, SegLenEviction)
+from sglang_marconi.policy.rules.eviction.depth import check_exponent
 from sglang_marconi.policy.rules.eviction.flop_aware import check_alpha
 from sglang_marconi.policy.tuning.evidence import LONG, SHORT, Evidence, GuardSums
 from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
@@ -80,12 +86,15 @@ from sglang_marconi.policy.tree.shared_match import SharedMatch
 LRU = "lru"  # the choice that stands for SGLang's LRU (leaves only, whole-path refresh)
 COVERAGE = "coverage"  # SGLang #38000's rule (`policy/rules/eviction/coverage.py`): a fixed choice, never tuned
 SEGLEN = "seglen"  # "seglen:W": SegLen-style eviction with weight W (`eviction/seglen.py`)
+DEPTH = "depth"  # "depth:B": evict by age / (1 + depth)^B; "depth:auto": B learned (`eviction/depth.py`)
+DEPTH_AUTO = f"{DEPTH}:auto"
 OBJECTIVES = ("flops", "token_hit_rate")
-Choice = float | str  # an alpha of FLOP-aware eviction, LRU, "seglen:W" or COVERAGE
+Choice = float | str  # an alpha of FLOP-aware eviction, LRU, "seglen:W", "depth:B", DEPTH_AUTO or COVERAGE
 # Large alphas matter: with both terms min-max normalized, alpha >> 1 ranks by FLOP efficiency
 # first (recency breaks near-ties), which wins by 10-20 points on contended chat traces.
 DEFAULT_ALPHA_GRID = (0.0, 1.0, 20.0, 100.0)
 DEFAULT_SEGLEN_WEIGHTS = (1.0, 100.0)
+DEFAULT_DEPTH_EXPONENTS = (1.0,)
 
 
 def parse_alpha_grid(text: str) -> tuple[float, ...]:
@@ -107,26 +116,51 @@ def seglen_choice(weight: float) -> str:
     return f"{SEGLEN}:{check_alpha(weight):g}"
 
 
+def depth_choice(exponent: float) -> str:
+    return f"{DEPTH}:{check_exponent(exponent):g}"
+
+
+def is_depth_choice(choice: Choice) -> bool:
+    return isinstance(choice, str) and choice.partition(":")[0] == DEPTH
+
+
 def choice_label(choice: Choice) -> str:
     return choice if isinstance(choice, str) else f"{float(choice):g}"
 
 
-def eviction_for(choice: Choice) -> EvictionPolicy:
+def eviction_for(choice: Choice, record: ContinuationRecord | None = None) -> EvictionPolicy:
+    """The policy a choice stands for. `record`: a depth choice reads this record of finished
+    sequences, fed by its owner (the tuner); without one it keeps and feeds its own."""
     if choice == LRU:
         return LruLeafEviction()
     if choice == COVERAGE:
         return CoverageEviction()
+    if choice == DEPTH_AUTO:
+        return CalibratedDepthEviction(record, shared_record=record is not None)
+    if is_depth_choice(choice):
+        return DepthEviction(float(choice.partition(":")[2]), record, shared_record=record is not None)
     if isinstance(choice, str):
         return SegLenEviction(float(choice.partition(":")[2]))
     return FlopAwareEviction(float(choice))
 
 
-def adopt_choice(cache: HybridPrefixCache, choice: Choice) -> None:
-    """Switch a policy-core cache to `choice`; a change of weight alone keeps the policy object."""
+def adopt_choice(cache: HybridPrefixCache, choice: Choice, record: ContinuationRecord | None = None) -> None:
+    """Switch a policy-core cache to `choice`; a change of weight alone keeps the policy object.
+    `record`: the record a depth choice reads (the tuner's, which it feeds with the stream this
+    cache serves); a depth policy already in force passes its own on."""
+    current = cache.eviction
+    if is_depth_choice(choice):
+        if isinstance(current, DepthEviction):
+            wanted = eviction_for(choice, current.record)
+            wanted.feeds_record = current.feeds_record
+        else:
+            wanted = eviction_for(choice, record)
+        cache.set_eviction(wanted)
+        return
     wanted = eviction_for(choice)
-    if type(cache.eviction) is type(wanted) and not isinstance(wanted, LruLeafEviction):
-        cache.eviction.alpha = wanted.alpha  # same score columns: only the weight changes
-    elif type(cache.eviction) is not type(wanted):
+    if type(current) is type(wanted) and not isinstance(wanted, LruLeafEviction):
+        current.alpha = wanted.alpha  # same score columns: only the weight changes
+    elif type(current) is not type(wanted):
         cache.set_eviction(wanted)
 
 
@@ -134,6 +168,10 @@ def adopt_choice(cache: HybridPrefixCache, choice: Choice) -> None:
 class ShadowConfig:
     alpha_grid: tuple[float, ...] = DEFAULT_ALPHA_GRID
     seglen_weights: tuple[float, ...] = DEFAULT_SEGLEN_WEIGHTS  # SegLen-style candidates (may be empty)
+    # Depth-aware candidates (`eviction/depth.py`): at each of these B, and the one that learns B.
+    # Off unless asked for (`with_depth`; the simulator's tuned configuration asks: `sim/tuning.py`).
+    depth_exponents: tuple[float, ...] = ()
+    depth_auto: bool = False
     lru: bool = True  # SGLang's LRU is a candidate too (and the starting choice: the safe one)
     objective: str = "flops"
     sample_rate: float = 1.0
@@ -160,6 +198,7 @@ class ShadowConfig:
         grid = tuple(sorted({check_alpha(a) for a in self.alpha_grid}))
         object.__setattr__(self, "alpha_grid", grid)
         object.__setattr__(self, "seglen_weights", tuple(sorted({check_alpha(w) for w in self.seglen_weights})))
+        object.__setattr__(self, "depth_exponents", tuple(sorted({check_exponent(b) for b in self.depth_exponents})))
         if self.objective not in OBJECTIVES:
             raise MarconiError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         check_rate(self.sample_rate)
@@ -181,8 +220,22 @@ class ShadowConfig:
 
     @property
     def choices(self) -> tuple[Choice, ...]:
-        """LRU, the alphas, SegLen (the order scores and tables use)."""
-        return ((LRU,) if self.lru else ()) + self.alpha_grid + tuple(map(seglen_choice, self.seglen_weights))
+        """LRU, the alphas, SegLen, depth (the order scores and tables use)."""
+        return (((LRU,) if self.lru else ()) + self.alpha_grid + tuple(map(seglen_choice, self.seglen_weights))
+                + tuple(map(depth_choice, self.depth_exponents)) + ((DEPTH_AUTO,) if self.depth_auto else ()))
+
+    @property
+    def has_depth(self) -> bool:
+        return bool(self.depth_exponents) or self.depth_auto
+
+    def with_depth(self, exponents: tuple[float, ...] = DEFAULT_DEPTH_EXPONENTS, auto: bool = True) -> ShadowConfig:
+        """This configuration with the depth-aware choices."""
+        return replace(self, depth_exponents=tuple(exponents), depth_auto=auto)
+
+    def without_depth(self) -> ShadowConfig:
+        """This configuration without the depth-aware choices (for caches that do not run them:
+        the model of SGLang's cache)."""
+        return replace(self, depth_exponents=(), depth_auto=False) if self.has_depth else self
 
     @property
     def start(self) -> Choice:
@@ -214,7 +267,10 @@ class ShadowTuner:
         keeps probationary states (`HybridPrefixCache`), so the shadows do too. `served`: the live
         cache is SGLang's (its pools, strategy and chunking): every shadow is then the model of
         the served cache (`ServedCache`, `ServedShadow`) on those pools scaled by the sample rate,
-        and `capacity_bytes`, `state_slots`, `checkpoint_grid` are not used."""
+        and `capacity_bytes`, `state_slots`, `checkpoint_grid` are not used (nor the depth-aware
+        choices, which the model of SGLang's cache does not run)."""
+        if served is not None:
+            config = config.without_depth()
         self.profile = profile
         self.config = config
         self.choices = config.choices
@@ -222,6 +278,9 @@ class ShadowTuner:
         self.served = served
         self.probation = probation
         self.flops = FlopsTable(profile)  # every cache of this tuner refreshes the same spans
+        # The record of finished sequences every depth-aware cache of this tuner reads (and the live
+        # cache, handed it by `adopt_choice`): fed here, once per request, after the caches served it.
+        self.record = ContinuationRecord() if config.has_depth else None
         rate = config.sample_rate
         self.mini: _Miniatures | None = None
         self._prior: int | None = None  # the miniatures' verdict, once they stopped
@@ -291,7 +350,7 @@ class ShadowTuner:
         if self.verifier is not None and self._fed != self.log.requests:
             self.verifier = None  # the caller passes only sampled requests: no check beyond the sample is possible
         verified = self.verifier is not None and self.verifier.sees(session_key)
-        if not sampled and not verified:
+        if not sampled and not verified and self.record is None:
             return None
         started = time.perf_counter()
         try:
@@ -302,10 +361,14 @@ class ShadowTuner:
                 seq, input_len = as_token_array(sequence), len(input_tokens)
                 if not 0 < input_len <= len(seq):
                     raise MarconiError(f"input of {input_len} tokens in a sequence of {len(seq)}")
-            match = SharedMatch(seq, input_len, self.page_size)  # compared once for every cache below
-            switched = self._serve_sampled(session_key, match) if sampled else None
-            if verified:
-                switched = self.verifier.serve(session_key, match) or switched
+            switched = None
+            if sampled or verified:
+                match = SharedMatch(seq, input_len, self.page_size)  # compared once for every cache below
+                switched = self._serve_sampled(session_key, match) if sampled else None
+                if verified:
+                    switched = self.verifier.serve(session_key, match) or switched
+            if self.record is not None:
+                self.record.finish(seq, len(seq) - len(seq) % self.page_size)
             return switched
         finally:
             self.log.seconds += time.perf_counter() - started
@@ -354,7 +417,7 @@ class ShadowTuner:
         shared, self.shared = self.shared, None
         self.log.forked_at = self.log.requests
         self._sampled_at_fork = self._revived_at = self.log.sampled
-        self.shadows = fork_shadows(self.profile, shared, self.choices, match, checkpoint_at)
+        self.shadows = fork_shadows(self.profile, shared, self.choices, match, checkpoint_at, self.record)
 
     # -- scores and decisions ----------------------------------------------------------------
     def gains(self, hits: Sequence[int], input_len: int) -> tuple[np.ndarray, float]:
@@ -437,7 +500,7 @@ class ShadowTuner:
             donor_index = cur if self.shadows[cur] is not None else 0  # the live choice may have come via the verifier
             donor = self.shadows[donor_index]
             for v in dropped:
-                eviction = eviction_for(self.choices[v])
+                eviction = eviction_for(self.choices[v], self.record)
                 self.shadows[v] = restore_shadow(self.profile, donor.snapshot(), eviction, flops=self.flops)
                 ev.copy_arm(donor_index, v)
                 self.since.copy_arm(donor_index, v)
@@ -533,7 +596,7 @@ class _Verifier:
         if self.trial is not None or choice == self.tuner.choices.index(self.tuner.current):
             return
         parent = self.arms[self.mirror if self.mirror is not None else 0][1]
-        eviction = eviction_for(self.tuner.choices[choice])
+        eviction = eviction_for(self.tuner.choices[choice], self.tuner.record)
         cache = restore_shadow(self.tuner.profile, parent.snapshot(), eviction, flops=self.tuner.flops)
         self.arms.append((choice, cache))
         self.trial = len(self.arms) - 1
@@ -606,13 +669,14 @@ class _Verifier:
         self.mirror = 1 if len(arms) > 1 and self.mirror is not None and arms[1] == self.mirror else None
 
 
-def fork_shadows(profile, shared: _SharedShadow, choices, match: SharedMatch, checkpoint_at: int | None):
+def fork_shadows(profile, shared: _SharedShadow, choices, match: SharedMatch, checkpoint_at: int | None,
+                 record: ContinuationRecord | None = None):
     """One cache per choice from the shared shadow's contents, each with its own recency, the
-    request that made the shared shadow fork admitted."""
+    request that made the shared shadow fork admitted (`record`: what the depth choices read)."""
     shadows = []
     snapshots = {}  # by recency convention: every choice of one convention starts from the same snapshot
     for choice in choices:
-        eviction = eviction_for(choice)
+        eviction = eviction_for(choice, record)
         snap = snapshots.get(eviction.refresh_matched_path)
         if snap is None:
             snap = snapshots[eviction.refresh_matched_path] = shared.snapshot_as(eviction)
@@ -634,6 +698,10 @@ def choice_of(eviction: EvictionPolicy) -> Choice:
     """The tuner's choice an eviction policy stands for (`eviction_for`'s inverse)."""
     if isinstance(eviction, LruLeafEviction):
         return LRU
+    if isinstance(eviction, CalibratedDepthEviction):
+        return DEPTH_AUTO
+    if isinstance(eviction, DepthEviction):
+        return depth_choice(eviction.exponent)
     if isinstance(eviction, SegLenEviction):
         return seglen_choice(eviction.alpha)
     return float(eviction.alpha)
@@ -793,7 +861,8 @@ class _Miniatures:
             except _ForkNow:
                 self.served_at_fork = self.served
                 shared, self.shared = self.shared, None
-                self.shadows = fork_shadows(self.tuner.profile, shared, self.tuner.choices, match, checkpoint_at)
+                self.shadows = fork_shadows(self.tuner.profile, shared, self.tuner.choices, match, checkpoint_at,
+                                            self.tuner.record)
             hits = [hit] * len(self.shadows)
         else:
             hits = []

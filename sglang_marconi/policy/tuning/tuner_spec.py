@@ -2,8 +2,9 @@
 scheduler thread or sends it to the tuner's background process, which builds it there.
 
 - `kind="hybrid"`: the shadow tuner over hybrid (SSM) caches (`shadow_tuner.ShadowTuner`: LRU,
-  FLOP-aware eviction at each alpha, SegLen), modelling the served pools (`state_slots`), grid,
-  pages and probation;
+  FLOP-aware eviction at each alpha, SegLen, depth-aware eviction), modelling the served pools
+  (`state_slots`), grid, pages and probation; over the model of SGLang's cache (`served` in the
+  options) without the depth-aware choices, which that cache does not run;
 - `kind="window"`: alpha tuning of the sliding-window cache (`window_tuner.WindowTuner`).
 
 Both expose the same interface: `observe(session_key, input, output)`, `current` (the choice in
@@ -24,6 +25,10 @@ class TunerSpec:
     capacity_bytes: int
     config: object  # ShadowConfig
     options: dict = field(default_factory=dict)  # the tuner's keyword arguments
+
+    def __post_init__(self):
+        if self.kind == "hybrid" and self.options.get("served") is not None and hasattr(self.config, "without_depth"):
+            object.__setattr__(self, "config", self.config.without_depth())  # the choices the tuner will run
 
     @property
     def choices(self) -> tuple:

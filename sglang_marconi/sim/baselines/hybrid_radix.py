@@ -46,7 +46,7 @@ class TreePolicy:
         if self.tuner is not None:
             choice = self.tuner.observe(request.session_id, inp, request.output_tokens, sequence=seq)
             if choice is not None:
-                adopt_choice(cache, choice)
+                adopt_choice(cache, choice, self.tuner.record)
                 e = cache.eviction
                 self.history.append((self.served, getattr(e, "alpha", 0.0), e.name))
         return self._outcome(request, lookup, admitted)

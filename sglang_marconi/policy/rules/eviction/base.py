@@ -18,6 +18,11 @@ class EvictionPolicy(ABC):
     # re-scores its nearest ancestor holding a state (`CoverageEviction`).
     value_reaches_up: bool = False
 
+    def observe_request(self, cache, request, n: int) -> None:
+        """Called by the cache once per admitted request, after its admission (cached or skipped):
+        `request` in the cache's request form (a token array, or a `SharedMatch` whose `seq` holds
+        the tokens), its first `n` tokens what the cache was asked to keep. Most rules need nothing."""
+
     @abstractmethod
     def choose(self, candidates: CandidateIndex):
         """Return the candidate to evict next (the index is never empty)."""

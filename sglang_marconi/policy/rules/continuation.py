@@ -1,0 +1,209 @@
+"""A bounded, metadata-only record of finished sequences: how deep in a conversation each one is,
+and how often sequences at each depth were continued. No session id, no KV: tokens only.
+
+A finished sequence (a request's input + output, as far as the cache admits it) is recorded under
+the hash of its first floor(L / block_tokens) blocks (`prefix_hashes`: a chained hash of token
+blocks, the same function wherever it runs, so every rank and the simulator agree bit for bit).
+Its depth is one more than the depth of the longest recorded sequence it extends (a recorded
+sequence of L' tokens whose block-prefix hash matches, whose length L' is below this sequence's
+and whose last token agrees at position L' - 1), 0 if it extends none. That earlier sequence is
+marked continued, once; per depth the record keeps decayed counts of sequences recorded and of
+those continued (`rates`), which a self-calibrating rule reads.
+
+Candidates of an eviction are looked up by their end (`depth_at(end, last_token)`): the depth of
+the recorded sequence that ends exactly there, 0 if none (an evicted record, a branch point).
+
+Bounds: at most `max_sequences` records, the least recently recorded or extended dropped first
+(`BYTES_PER_SEQUENCE` each, measured in `tests/test_continuation.py`). Per finished sequence:
+one vectorized pass over its tokens and one dictionary lookup per block.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import OrderedDict
+
+import numpy as np
+
+from sglang_marconi.policy.errors import MarconiError
+
+MAX_DEPTH = 15  # depths above this count as this one in the per-depth rates
+SETTLE_EVERY = 64  # finished sequences between the settled copies of the rates (`settled_rates`)
+# Python's memory per record (both dictionary entries and the record itself), measured on CPython
+# 3.11 (`tests/test_continuation.py` checks it stays within this).
+BYTES_PER_SEQUENCE = 400
+
+_MASK = (1 << 64) - 1
+_MULTIPLIER = 0x9E3779B97F4A7C15  # odd: invertible modulo 2**64
+_INVERSE = pow(_MULTIPLIER, -1, 1 << 64)
+_WEIGHT_SEED = 0x5EED_C0DE
+
+
+def _weights(block_tokens: int) -> np.ndarray:
+    """Fixed odd per-position weights of a block's polynomial hash (the same in every process)."""
+    return np.random.Generator(np.random.PCG64(_WEIGHT_SEED + block_tokens)).integers(
+        0, 1 << 63, size=block_tokens, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+
+
+class _Powers:
+    """MULTIPLIER**k and its inverse**k modulo 2**64, k = 0, 1, ..., grown on demand."""
+
+    def __init__(self):
+        self.up = np.ones(1, dtype=np.uint64)
+        self.down = np.ones(1, dtype=np.uint64)
+
+    def get(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.up) < n:
+            size = max(n, 2 * len(self.up))
+            up, down, u, d = [1], [1], 1, 1
+            for _ in range(size - 1):
+                u, d = (u * _MULTIPLIER) & _MASK, (d * _INVERSE) & _MASK
+                up.append(u)
+                down.append(d)
+            self.up, self.down = np.array(up, dtype=np.uint64), np.array(down, dtype=np.uint64)
+        return self.up[:n], self.down[:n]
+
+
+_POWERS = _Powers()
+
+
+def prefix_hashes(tokens, block_tokens: int) -> np.ndarray:
+    """h[k-1] = hash of tokens[:k x block_tokens], k = 1 .. len // block_tokens, as uint64:
+    h_k = sum over j <= k of b_j x M**(k - j) (mod 2**64), b_j the j-th block's weighted sum plus j."""
+    tokens = np.asarray(tokens)
+    blocks = len(tokens) // block_tokens
+    if blocks == 0:
+        return np.empty(0, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        grid = tokens[: blocks * block_tokens].astype(np.int64).view(np.uint64).reshape(blocks, block_tokens)
+        block_sums = (grid * _weights_cached(block_tokens)).sum(axis=1, dtype=np.uint64)
+        block_sums += np.arange(1, blocks + 1, dtype=np.uint64)
+        up, down = _POWERS.get(blocks + 1)
+        return np.cumsum(block_sums * down[1:], dtype=np.uint64) * up[1:]
+
+
+_WEIGHTS: dict[int, np.ndarray] = {}
+
+
+def _weights_cached(block_tokens: int) -> np.ndarray:
+    w = _WEIGHTS.get(block_tokens)
+    if w is None:
+        w = _WEIGHTS[block_tokens] = _weights(block_tokens)
+    return w
+
+
+class _Sequence:
+    __slots__ = ("length", "last_token", "depth", "continued")
+
+    def __init__(self, length: int, last_token: int, depth: int):
+        self.length, self.last_token, self.depth, self.continued = length, last_token, depth, False
+
+
+class ContinuationRecord:
+    """See the module docstring. `finish(tokens)` once per finished sequence, in stream order."""
+
+    def __init__(self, block_tokens: int = 64, max_sequences: int = 1 << 16, half_life: float = 20000.0):
+        for name, value in (("block_tokens", block_tokens), ("max_sequences", max_sequences)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MarconiError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(half_life, bool) or not isinstance(half_life, (int, float)) or not half_life > 0 \
+                or math.isinf(half_life):
+            raise MarconiError(f"half_life must be a finite number > 0 (sequences), got {half_life!r}")
+        self.block_tokens = block_tokens
+        self.max_sequences = max_sequences
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._by_prefix: OrderedDict[int, _Sequence] = OrderedDict()  # block-prefix hash -> its latest sequence
+        self._by_end: dict[tuple[int, int], int] = {}  # (length, last token) -> depth
+        self.recorded = np.zeros(MAX_DEPTH + 1)  # decayed counts per depth
+        self.continued = np.zeros(MAX_DEPTH + 1)
+        self.finished = 0  # sequences recorded, ever
+        self.settled_rates = (self.recorded.copy(), self.continued.copy())  # as of the last multiple of SETTLE_EVERY
+        self._memo = (None, None)  # (tokens object, its hashes): one sequence hashed once for all readers
+
+    def __len__(self) -> int:
+        return len(self._by_prefix)
+
+    def _hashes(self, tokens) -> np.ndarray:
+        seen, hashes = self._memo
+        if seen is tokens:
+            return hashes
+        hashes = prefix_hashes(tokens, self.block_tokens)
+        self._memo = (tokens, hashes)
+        return hashes
+
+    def depth_of(self, tokens, n: int | None = None) -> int:
+        """The depth `finish` would give tokens[:n] now (no change to the record)."""
+        found = self._extended(tokens, len(tokens) if n is None else n)
+        return 0 if found is None else found[1].depth + 1
+
+    def _extended(self, tokens, n: int):
+        """The longest recorded sequence that tokens[:n] extends: (its key, its record), or None."""
+        hashes = self._hashes(tokens)
+        by_prefix = self._by_prefix
+        for k in range(min(len(hashes), n // self.block_tokens), 0, -1):
+            seq = by_prefix.get(int(hashes[k - 1]))
+            if seq is not None and seq.length < n and int(tokens[seq.length - 1]) == seq.last_token:
+                return int(hashes[k - 1]), seq
+        return None
+
+    def finish(self, tokens, n: int | None = None) -> int:
+        """Record the finished sequence tokens[:n] (all of them by default); returns its depth."""
+        n = len(tokens) if n is None else int(n)
+        if n <= 0:
+            return 0
+        found = self._extended(tokens, n)
+        depth = 0
+        if found is not None:
+            key, parent = found
+            depth = parent.depth + 1
+            self._by_prefix.move_to_end(key)
+            if not parent.continued:
+                parent.continued = True
+                self.continued[min(parent.depth, MAX_DEPTH)] += 1.0
+        self.recorded *= self._decay
+        self.continued *= self._decay
+        self.recorded[min(depth, MAX_DEPTH)] += 1.0
+        self.finished += 1
+        if self.finished % SETTLE_EVERY == 0:
+            self.settled_rates = (self.recorded.copy(), self.continued.copy())
+        last = int(tokens[n - 1])
+        blocks = n // self.block_tokens
+        if blocks:
+            key = int(self._hashes(tokens)[blocks - 1])
+            old = self._by_prefix.pop(key, None)
+            if old is not None:
+                self._forget_end(old)
+            self._by_prefix[key] = _Sequence(n, last, depth)
+            self._by_end[(n, last)] = depth
+            while len(self._by_prefix) > self.max_sequences:
+                self._forget_end(self._by_prefix.popitem(last=False)[1])
+        else:  # shorter than a block: nothing can be found to extend it, but its end has a depth
+            self._by_end[(n, last)] = depth
+            if len(self._by_end) > 2 * self.max_sequences:
+                self._by_end.pop(next(iter(self._by_end)))
+        return depth
+
+    def _forget_end(self, seq: _Sequence) -> None:
+        end = (seq.length, seq.last_token)
+        if self._by_end.get(end) == seq.depth:
+            del self._by_end[end]
+
+    def depth_at(self, end: int, last_token: int) -> int:
+        """The depth of the recorded sequence ending at `end` with `last_token`; 0 if none."""
+        return self._by_end.get((end, last_token), 0)
+
+    def rates(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per depth (0 .. MAX_DEPTH): decayed counts of sequences recorded and of those continued
+        (now; `settled_rates`: as of the last multiple of SETTLE_EVERY sequences, what a rule that
+        must not depend on when it asks reads)."""
+        return self.recorded.copy(), self.continued.copy()
+
+    def copy(self) -> ContinuationRecord:
+        other = copy.copy(self)
+        other._by_prefix = OrderedDict((k, copy.copy(v)) for k, v in self._by_prefix.items())
+        other._by_end = dict(self._by_end)
+        other.recorded, other.continued = self.recorded.copy(), self.continued.copy()
+        other.settled_rates = tuple(a.copy() for a in self.settled_rates)
+        other._memo = (None, None)
+        return other

@@ -1,0 +1,203 @@
+"""Depth-aware eviction: the record of finished sequences (depth without session ids, bounded), the
+rule where depth must decide the victim, the self-calibrating variant's fallback to LRU, and the
+tuner running both as choices."""
+
+import inspect
+import tracemalloc
+
+import numpy as np
+import pytest
+from toy_profile import ToyProfile
+
+from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.rules.continuation import BYTES_PER_SEQUENCE, ContinuationRecord, prefix_hashes
+from sglang_marconi.policy.rules.eviction import CalibratedDepthEviction, DepthEviction, FlopAwareEviction
+from sglang_marconi.policy.rules.eviction.depth import fitted_exponent
+from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.tuning.shadow_tuner import (DEPTH_AUTO, ShadowConfig, ShadowTuner, adopt_choice,
+                                                       choice_of, eviction_for)
+from sglang_marconi.policy.tuning.tuner_spec import TunerSpec
+
+PROMPT = np.arange(10_000, 10_016)  # a system prompt every conversation shares (4 blocks of 4)
+
+
+def turn(history, rng, n):
+    return np.concatenate((history, rng.integers(0, 1000, n)))
+
+
+def test_depth_on_a_known_conversation_tree():
+    rng = np.random.default_rng(0)
+    record = ContinuationRecord(block_tokens=4)
+    a1 = turn(PROMPT, rng, 9)
+    a2 = turn(a1, rng, 11)  # extends a1
+    b1 = turn(PROMPT, rng, 7)  # another conversation, interleaved, no id tells them apart
+    a3 = turn(a2, rng, 6)  # extends a2, which extends a1
+    a2_again = turn(a1, rng, 13)  # a second branch off a1
+    b2 = turn(b1, rng, 5)
+    lone = turn(PROMPT, rng, 3)
+    depths = [record.finish(s) for s in (a1, a2, b1, a3, a2_again, b2, lone)]
+    assert depths == [0, 1, 0, 2, 1, 1, 0]
+    assert record.depth_at(len(a3), int(a3[-1])) == 2 and record.depth_at(len(b1), int(b1[-1])) == 0
+    assert record.depth_at(len(a3) + 1, int(a3[-1])) == 0  # an end nothing finished at
+    recorded, continued = record.rates()
+    assert recorded.round().tolist()[:3] == [3, 3, 1] and continued.round().tolist()[:3] == [2, 1, 0]
+
+
+def test_a_sequence_that_diverges_inside_its_last_block_extends_nothing():
+    rng = np.random.default_rng(1)
+    record = ContinuationRecord(block_tokens=4)
+    first = turn(PROMPT, rng, 10)  # 26 tokens: its record is keyed by its first 24
+    record.finish(first)
+    diverged = first.copy()
+    diverged[25] += 1  # same 24-token block prefix, another last token
+    assert record.finish(np.concatenate((diverged, [1, 2, 3]))) == 0
+
+
+def test_the_record_takes_tokens_only():
+    assert list(inspect.signature(ContinuationRecord.finish).parameters) == ["self", "tokens", "n"]
+
+
+def test_the_record_is_bounded_and_forgets_the_oldest():
+    rng = np.random.default_rng(2)
+    record = ContinuationRecord(block_tokens=4, max_sequences=8)
+    first = turn(PROMPT, rng, 20)
+    record.finish(first)
+    for _ in range(200):
+        record.finish(turn(PROMPT, rng, int(rng.integers(5, 40))))
+        assert len(record) <= 8 and len(record._by_end) <= 8
+    assert record.finish(turn(first, rng, 5)) == 0  # its parent was dropped: nothing to extend
+    assert record.depth_at(len(first), int(first[-1])) == 0
+
+
+def test_bytes_per_finished_sequence_within_the_stated_bound():
+    rng = np.random.default_rng(3)
+    sequences = [turn(PROMPT, rng, 200) for _ in range(2000)]
+    record = ContinuationRecord(block_tokens=64, max_sequences=4096)
+    record.finish(sequences[0])
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for s in sequences[1:]:
+        record.finish(s)
+    record._memo = (None, None)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert used / (len(sequences) - 1) <= BYTES_PER_SEQUENCE
+
+
+def test_prefix_hashes_are_fixed_across_processes():
+    """The hash is part of the rule (every rank and the simulator must find the same records)."""
+    assert prefix_hashes(np.arange(12), 4).tolist() == [14916341659735094647, 17350910336749559723,
+                                                         16218569218801985888]
+
+
+def test_bad_parameters_are_named():
+    with pytest.raises(MarconiError, match="block_tokens"):
+        ContinuationRecord(block_tokens=0)
+    with pytest.raises(MarconiError, match="depth exponent"):
+        DepthEviction(-1.0)
+
+
+def _two_candidates(eviction):
+    """Two conversations under a prompt, then a fresh one: room for it only by evicting one
+    conversation's end. The deep conversation (three turns) is older than the fresh first turn."""
+    toy = ToyProfile()
+    cache = HybridPrefixCache(toy, 180, eviction)  # 1 byte per token, 10 per state: a leaf must go
+    rng = np.random.default_rng(4)
+    deep = turn(PROMPT, rng, 20)
+    for _ in range(2):
+        cache.serve(deep[:-5], deep[-5:])
+        deep = turn(deep, rng, 20)
+    cache.serve(deep[:-5], deep[-5:])  # third turn: depth 2, its end the oldest leaf
+    shallow = turn(PROMPT, rng, 40)
+    cache.serve(shallow[:-5], shallow[-5:])  # depth 0, more recent
+    cache.check_invariants()
+    newcomer = turn(PROMPT, rng, 40)
+    cache.serve(newcomer[:-5], newcomer[-5:])  # needs room: one of the two ends goes
+    cache.check_invariants()
+    nxt = turn(deep, rng, 10)
+    return cache.lookup(nxt).hit_tokens, len(deep)
+
+
+def test_depth_decides_the_victim_where_lru_evicts_the_deep_conversation():
+    hit, deep_len = _two_candidates(DepthEviction(2.0, ContinuationRecord(block_tokens=4)))
+    assert hit == deep_len  # the next turn of the deep conversation reuses it all
+    hit_lru, _ = _two_candidates(FlopAwareEviction(0.0))
+    assert hit_lru < deep_len  # LRU over the same candidates evicted the deep end, the older one
+
+
+def _stream(rng, continue_prob, n=3000, conversations=40):
+    """Conversations over the prompt: each next request continues one open conversation with
+    probability `continue_prob(depth)`, else starts a new one (turns grow the sequence)."""
+    open_ = []
+    for _ in range(n):
+        if open_ and rng.random() < 0.8:
+            i = int(rng.integers(len(open_)))
+            seq, depth = open_[i]
+            if rng.random() < continue_prob(depth):
+                nxt = turn(seq, rng, int(rng.integers(4, 12)))
+                open_[i] = (nxt, depth + 1)
+                yield nxt
+                continue
+            open_.pop(i)
+        seq = turn(PROMPT, rng, int(rng.integers(8, 24)))
+        open_.append((seq, 0))
+        if len(open_) > conversations:
+            open_.pop(0)
+        yield seq
+
+
+@pytest.mark.parametrize("predicts", [False, True])
+def test_the_calibrated_rule_learns_b_only_where_depth_predicts(predicts):
+    prob = (lambda d: 0.3 if d == 0 else 0.9) if predicts else (lambda d: 0.5)
+    record = ContinuationRecord(block_tokens=4)
+    for seq in _stream(np.random.default_rng(5), prob):
+        record.finish(seq)
+    b = fitted_exponent(*record.rates())
+    assert (b > 0.3) if predicts else (b == 0.0)
+
+
+def test_the_calibrated_rule_is_lru_where_depth_does_not_predict():
+    toy = ToyProfile()
+    seqs = list(_stream(np.random.default_rng(6), lambda d: 0.5, n=1500))
+    auto = HybridPrefixCache(toy, 600, CalibratedDepthEviction(ContinuationRecord(block_tokens=4)))
+    lru = HybridPrefixCache(toy, 600, FlopAwareEviction(0.0))
+    fixed = HybridPrefixCache(toy, 600, DepthEviction(1.0, ContinuationRecord(block_tokens=4)))
+    hits = {"auto": [], "lru": [], "fixed": []}
+    for seq in seqs:
+        for name, cache in (("auto", auto), ("lru", lru), ("fixed", fixed)):
+            hits[name].append(cache.serve(seq[:-3], seq[-3:])[0].hit_tokens)
+    assert auto.eviction.current_exponent() == 0.0
+    assert hits["auto"] == hits["lru"]
+    assert hits["fixed"] != hits["lru"]  # the stream does exercise depth: a fixed B changes victims
+
+
+def test_tuner_runs_the_depth_choices_and_the_live_cache_reads_its_record():
+    toy = ToyProfile()
+    config = ShadowConfig(alpha_grid=(0.0, 1.0)).with_depth((1.0,))
+    assert config.choices[-2:] == ("depth:1", DEPTH_AUTO)
+    assert ShadowConfig().choices == ShadowConfig().without_depth().choices  # off unless asked for
+    tuner = ShadowTuner(toy, 600, config)
+    live = HybridPrefixCache(toy, 600, eviction_for(tuner.current))
+    seqs = list(_stream(np.random.default_rng(7), lambda d: 0.2 if d == 0 else 0.9, n=800))
+    for i, seq in enumerate(seqs):
+        live.serve(seq[:-3], seq[-3:])
+        tuner.observe(f"s{i}", seq[:-3], seq[-3:])
+    assert tuner.record.finished == len(seqs)
+    assert tuner.shadows
+    for shadow in filter(None, tuner.shadows):
+        shadow.check_invariants()
+        if isinstance(shadow.eviction, DepthEviction):
+            assert shadow.eviction.record is tuner.record and not shadow.eviction.feeds_record
+    adopt_choice(live, "depth:1", tuner.record)
+    assert live.eviction.record is tuner.record and choice_of(live.eviction) == "depth:1"
+    adopt_choice(live, DEPTH_AUTO, tuner.record)
+    assert live.eviction.record is tuner.record and choice_of(live.eviction) == DEPTH_AUTO
+    live.serve(seqs[0][:-3], seqs[0][-3:])
+    live.check_invariants()
+    assert tuner.record.finished == len(seqs)  # the live cache reads the tuner's record, never feeds it
+
+
+def test_the_served_tuner_runs_no_depth_choice():
+    config = ShadowConfig().with_depth()
+    spec = TunerSpec("hybrid", ToyProfile(), 600, config, dict(served=object()))
+    assert not any(str(c).startswith("depth") for c in spec.choices)

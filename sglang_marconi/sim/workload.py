@@ -26,6 +26,9 @@ class Request:
     arrival_s: float
     input_tokens: np.ndarray  # 1-D int64, len >= 1
     output_tokens: np.ndarray  # 1-D int64, may be empty
+    # OpenAI's cache hints, as a client sent them (`policy/rules/cache_hints.py`); None: no hint
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("input_tokens", "output_tokens"):

@@ -21,7 +21,7 @@ from typing import Iterator
 
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules.cache_hints import (
-    DEFAULT_HINTED_SHARE, DEFAULT_HORIZON, HintLedger, IN_MEMORY, parse_hint,
+    DEFAULT_HINTED_SHARE, HintLedger, IN_MEMORY, parse_hint,
 )
 from sglang_marconi.sim.policy_api import Outcome
 from sglang_marconi.sim.workload import Request, Workload
@@ -47,10 +47,6 @@ class TreeCoreStamps:
     def alive(node) -> bool:
         return node.parent is not None
 
-    def oldest_stamp(self) -> float | None:
-        index = self.cache.index
-        n = len(index)
-        return float(index.last_access[:n].min()) if n else None
 
     def end_node(self, seq):
         """The deepest node along `seq` whose prefix a next turn would reuse, and its charge."""
@@ -76,52 +72,58 @@ class ServedCacheStamps:
 
     @staticmethod
     def stamps(node) -> tuple[float, float]:
-        return node.last_access, (node.state_time if node.state_time is not None else node.last_access)
+        state_time = getattr(node, "state_time", None)
+        return node.last_access, (state_time if state_time is not None else node.last_access)
 
     @staticmethod
     def set_stamps(node, kv: float, state: float) -> None:
         node.last_access = kv
-        if node.state_time is not None:
+        if getattr(node, "state_time", None) is not None:
             node.state_time = state
 
     @staticmethod
     def alive(node) -> bool:
         return node.parent is not None
 
-    def oldest_stamp(self) -> float | None:
-        return min((n.last_access for n in self.cache._childless.values()
-                    if not n.full_lock and not n.mamba_lock), default=None)
 
     def end_node(self, seq):
         end = None
         for node in self.cache._whole_edges(seq):
-            if node.state:
+            if _holds_state(node):
                 end = node
         return (None, 0, 0) if end is None else (end, end.end, 1)
 
 
-def ledger_for(cache, *, share: float = DEFAULT_HINTED_SHARE, horizon: int = DEFAULT_HORIZON, **options):
-    """The hint ledger over `cache` (a `TreeCore` configuration or a `ServedCache`), with its adapter."""
+def ledger_for(cache, *, share: float = DEFAULT_HINTED_SHARE, horizon: int | None = None):
+    """The hint ledger over `cache` (a `TreeCore` configuration or a `ServedCache`), with its adapter;
+    `horizon` None: learned from the stream."""
     if hasattr(cache, "pools"):
         adapter = ServedCacheStamps(cache)
-        return HintLedger(adapter, cache.pools.kv_tokens, cache.pools.mamba_slots, share=share, horizon=horizon, **options)
+        return HintLedger(adapter, cache.pools.kv_tokens, cache.pools.mamba_slots, share=share, horizon=horizon)
     if not hasattr(cache, "tree"):
         raise MarconiError(f"cache hints apply to the hybrid tree and the served cache, not {type(cache).__name__}")
     adapter = TreeCoreStamps(cache)
-    return HintLedger(adapter, cache.capacity_bytes, cache.state_slots, share=share, horizon=horizon, **options)
+    return HintLedger(adapter, cache.capacity_bytes, cache.state_slots, share=share, horizon=horizon)
+
+
+def _holds_state(node) -> bool:
+    stated = getattr(node, "has_state", None)
+    return node.state if stated is None else stated
 
 
 def cache_clock(cache) -> float:
-    return cache._clock if hasattr(cache, "pools") else cache.clock
+    """The cache's recency clock (SGLang's counter in the served-cache model)."""
+    clock = getattr(cache, "clock", None)
+    return cache._clock if clock is None else clock
 
 
 class HintedPolicy:
     """`policy` with the hints its requests carry applied to its cache."""
 
-    def __init__(self, policy, *, share: float = DEFAULT_HINTED_SHARE, horizon: int = DEFAULT_HORIZON, **options):
+    def __init__(self, policy, *, share: float = DEFAULT_HINTED_SHARE, horizon: int | None = None):
         self.policy = policy
         self.name = f"{policy.name}+hints"
-        self.ledger = ledger_for(policy.cache, share=share, horizon=horizon, **options)
+        self.ledger = ledger_for(policy.cache, share=share, horizon=horizon)
 
     @property
     def cache(self):

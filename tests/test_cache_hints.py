@@ -273,3 +273,37 @@ def test_share_and_horizon_are_checked():
         HintLedger(Stamps(), 10, share=1.5)
     with pytest.raises(cache_hints.MarconiError, match="hint horizon 0"):
         HintLedger(Stamps(), 10, horizon=0)
+
+
+# -- traces ------------------------------------------------------------------------------------------
+def test_trace_hints_are_read_checked_and_saved(tmp_path):
+    import json
+
+    from sglang_marconi.policy.errors import TraceError
+    from sglang_marconi.sim.traces import load_trace, save_trace
+
+    authors = tmp_path / "authors.jsonl"
+    lines = [
+        {"session_id": "a", "turn_id": 0, "ts": 0.0, "input_tokens": [1, 2, 3], "output_tokens": 2,
+         "prompt_cache_key": "conv-a", "prompt_cache_retention": "24h"},
+        {"session_id": "b", "turn_id": 0, "ts": 1.0, "input_tokens": [4, 5], "output_tokens": [9]},
+        {"session_id": "a", "turn_id": 1, "ts": 2.0, "input_tokens": [1, 2, 3, 7], "output_tokens": 1,
+         "prompt_cache_key": "conv-a"},
+    ]
+    authors.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    got = [(r.prompt_cache_key, r.prompt_cache_retention) for r in load_trace(authors)]
+    assert got == [("conv-a", "24h"), (None, None), ("conv-a", "in-memory")]
+    again = load_trace(save_trace(load_trace(authors), tmp_path / "saved.jsonl"))
+    assert [(r.prompt_cache_key, r.prompt_cache_retention) for r in again] == got
+
+    mooncake = tmp_path / "mooncake.jsonl"
+    mooncake.write_text(
+        json.dumps({"timestamp": 5, "input_length": 600, "output_length": 3, "hash_ids": [0, 1],
+                    "prompt_cache_key": "s1"}) + "\n"
+        + json.dumps({"timestamp": 1, "input_length": 10, "output_length": 3, "hash_ids": [2]}) + "\n")
+    assert [r.prompt_cache_key for r in load_trace(mooncake)] == [None, "s1"]  # arrival order
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**lines[0], "prompt_cache_retention": "forever"}) + "\n")
+    with pytest.raises(TraceError, match=r"bad.jsonl:1: prompt_cache_retention 'forever'"):
+        load_trace(bad)

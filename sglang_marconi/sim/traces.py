@@ -16,6 +16,10 @@ Formats, detected from the fields of the first non-empty line:
 * Authors' format: `session_id`, `turn_id`, `ts` (s), `input_tokens` (list of ints),
   `output_tokens` (list of ints, or an int count expanded to unique tokens as above).
 
+Either format may carry OpenAI's cache hints per request: optional fields `prompt_cache_key` (a
+string) and `prompt_cache_retention` (`in-memory` or `24h`), checked as the server checks them
+(`policy/rules/cache_hints.py`) and replayed by `sim/hinted.py`.
+
 Only the small per-request fields stay in memory; tokens are rebuilt on each iteration (the
 authors' format re-reads its lines). Requests are replayed in arrival order (stable sort).
 """
@@ -30,6 +34,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError, TraceError
+from sglang_marconi.policy.rules.cache_hints import HintError, parse_hint
 from sglang_marconi.sim.mooncake_tokens import MODES as MOONCAKE_TOKEN_MODES
 from sglang_marconi.sim.mooncake_tokens import MooncakeTokenizer
 from sglang_marconi.sim.units import parse_params
@@ -44,6 +49,7 @@ _MAX_HASH_ID = OUTPUT_BASE // BLOCK
 
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 AUTHORS_FIELDS = ("session_id", "turn_id", "ts", "input_tokens", "output_tokens")
+HINT_FIELDS = ("prompt_cache_key", "prompt_cache_retention")  # optional in either format
 
 
 def output_tokens_for(index: int, count: int) -> np.ndarray:
@@ -93,6 +99,15 @@ class _Line:
             raise self.error(f"field {name!r} must be a finite number, got {v!r}")
         return float(v)
 
+    def hint(self, obj: dict) -> tuple[str | None, str | None]:
+        """The record's cache hint fields (both None without a hint), as a client sent them."""
+        key, retention = obj.get(HINT_FIELDS[0]), obj.get(HINT_FIELDS[1])
+        try:
+            hint = parse_hint(key, retention)
+        except HintError as e:
+            raise self.error(str(e)) from None
+        return (None, None) if hint is None else (hint.key, hint.retention)
+
     def int_list(self, obj: dict, name: str, upper: int | None = None) -> np.ndarray:
         v = self.field(obj, name)
         if not isinstance(v, list):
@@ -139,12 +154,15 @@ class MooncakeTrace(Workload):
     """A Mooncake trace; hash ids stay in memory (small), tokens are rebuilt per iteration
     (`tokens`: a `MooncakeTokenizer` mode)."""
 
-    def __init__(self, path: Path, records: list[tuple[float, int, int, np.ndarray]], tokens: str = "conversation"):
+    def __init__(self, path: Path, records: list[tuple[float, int, int, np.ndarray]], tokens: str = "conversation",
+                 hints: list[tuple[str | None, str | None]] | None = None):
         if tokens not in MOONCAKE_TOKEN_MODES:
             raise MarconiError(f"Mooncake token mode {tokens!r}: expected one of {list(MOONCAKE_TOKEN_MODES)}")
         self.name, self.path, self.tokens = path.stem, path, tokens
         order = sorted(range(len(records)), key=lambda i: records[i][0])
         self._records = [records[i] for i in order]
+        # (prompt_cache_key, prompt_cache_retention) per record, in arrival order; None: no hints at all
+        self._hints = None if hints is None or not any(k for k, _ in hints) else [hints[i] for i in order]
         self._sessions = [_mooncake_session(r[3]) for r in self._records]
         self._turns, seen = [], {}
         for s in self._sessions:
@@ -171,8 +189,9 @@ class MooncakeTrace(Workload):
         """The requests that `keep(index in arrival order, session)` accepts, as a trace of their
         own named `name`: tokens are rebuilt from its requests only (a turn whose predecessor
         was left out does not continue it)."""
-        records = [r for i, (r, s) in enumerate(zip(self._records, self._sessions)) if keep(i, s)]
-        sub = MooncakeTrace(self.path, records, self.tokens)
+        kept = [i for i, s in enumerate(self._sessions) if keep(i, s)]
+        sub = MooncakeTrace(self.path, [self._records[i] for i in kept], self.tokens,
+                            None if self._hints is None else [self._hints[i] for i in kept])
         sub.name = name
         return sub
 
@@ -187,12 +206,15 @@ class MooncakeTrace(Workload):
             if block_tokens != BLOCK:
                 in_len, out_len = math.ceil(in_len * scale), max(1, round(out_len * scale))
             outputs = output_tokens_for(i, out_len)
+            key, retention = (None, None) if self._hints is None else self._hints[i]
             yield Request(
                 session_id=self._sessions[i],
                 turn=self._turns[i],
                 arrival_s=ts / 1000.0,
                 input_tokens=tokenizer.input_tokens(ids, in_len, outputs),
                 output_tokens=outputs,
+                prompt_cache_key=key,
+                prompt_cache_retention=retention,
             )
 
 
@@ -254,7 +276,8 @@ def _authors_request(line: _Line, raw: bytes, index: int) -> Request:
         outputs = output_tokens_for(index, line.int_field(obj, "output_tokens"))
     else:
         outputs = line.int_list(obj, "output_tokens")
-    return Request(str(session), turn, ts, inputs, outputs)
+    key, retention = line.hint(obj)
+    return Request(str(session), turn, ts, inputs, outputs, key, retention)
 
 
 # ---------------------------------------------------------------- entry points
@@ -272,11 +295,13 @@ def load_trace(path: str | Path, mooncake_tokens: str = "conversation") -> Workl
     obj = _Line(path, first[0]).parse(first[2])
     keys = set(obj)
     if keys >= set(MOONCAKE_FIELDS):
-        records = []
+        records, hints = [], []
         for lineno, _, raw in [first, *lines]:
             line = _Line(path, lineno)
-            records.append(_mooncake_record(line, line.parse(raw)))
-        return MooncakeTrace(path, records, mooncake_tokens)
+            obj = line.parse(raw)
+            records.append(_mooncake_record(line, obj))
+            hints.append(line.hint(obj))
+        return MooncakeTrace(path, records, mooncake_tokens, hints)
     if keys >= set(AUTHORS_FIELDS):
         index = []
         for lineno, offset, raw in [first, *lines]:
@@ -302,6 +327,9 @@ def save_trace(workload: Workload, path: str | Path) -> Path:
                 "input_tokens": r.input_tokens.tolist(),
                 "output_tokens": r.output_tokens.tolist(),
             }
+            if r.prompt_cache_key is not None:
+                rec["prompt_cache_key"] = r.prompt_cache_key
+                rec["prompt_cache_retention"] = r.prompt_cache_retention
             f.write(json.dumps(rec, separators=(",", ":")) + "\n")
     return path
 

@@ -57,17 +57,27 @@ class Stamps:
         return node not in self.gone
 
 
-def _ledger(share=0.5, horizon=4, kv=100, states=10):
+def _ledger(share=0.5, horizon=4, kv=100, states=10, open_gate=True):
+    """A ledger over stand-in nodes; `open_gate`: after returns that all lost their prefix (at clock
+    0, charging nothing), so that it grants."""
     adapter = Stamps()
-    return adapter, HintLedger(adapter, kv, states, share=share, horizon=horizon)
+    ledger = HintLedger(adapter, kv, states, share=share, horizon=horizon)
+    if open_gate:
+        for turn in range(2):
+            for i in range(cache_hints._RETURNS_NEEDED):
+                _release(adapter, ledger, 0, f"gate-{i}", f"gate-{i}-{turn}", kv=0, states=0, end=1)
+        for credit in ledger.credits():  # what the gate's last return got: taken back
+            _release(adapter, ledger, 0, credit.key)
+        assert ledger._history.losing() and len(ledger) == 0
+    return adapter, ledger
 
 
-def _release(adapter, ledger, clock, key=None, node=None, kv=10, states=1, retention="in-memory", hit=0):
+def _release(adapter, ledger, clock, key=None, node=None, kv=10, states=1, retention="in-memory", hit=0, end=None):
     if node is not None:
         adapter.kv.setdefault(node, float(clock))
         adapter.state.setdefault(node, float(clock))
     hint = None if key is None else CacheHint(key, retention)
-    ledger.release(float(clock), hint, node, kv, states, hit=hit, end=kv)
+    ledger.release(float(clock), hint, node, kv, states, hit=hit, end=kv if end is None else end)
 
 
 def test_a_credit_makes_the_end_younger_by_the_clock_of_a_horizon_then_lapses():
@@ -123,7 +133,7 @@ def test_a_key_holds_one_credit_its_next_request_moves_it():
     _release(adapter, ledger, 4, "k", "turn2", kv=30, hit=20)
     assert [c.node for c in ledger.credits()] == ["turn2"]
     assert adapter.stamps("turn1") == (3.0, 3.0)  # its credit went back
-    assert ledger.kv_charged == 30 and ledger.counters.replaced == 1
+    assert ledger.kv_charged == 30 and ledger.counters.replaced == 1 + 1  # (one by the gate's opening)
 
 
 def test_an_adversarial_client_hinting_everything_holds_at_most_the_share():
@@ -162,23 +172,25 @@ def test_when_the_share_is_full_the_earlier_release_keeps_its_credit_whatever_th
     assert run("a", "b") == run("b", "a") == run("zz", "a") == (["X"], (2.0, 2.0), (2.0, 2.0))
 
 
-def test_no_credit_while_returning_conversations_find_their_prefix():
-    """Returns of keys that held no credit decide: while they find where their previous request
-    ended, no credit is granted; once they keep losing it, credits are granted again."""
-    adapter, ledger = _ledger(horizon=1000, kv=100, states=100)  # room for 5 credits of 10
+def test_credits_only_while_returning_conversations_lose_their_prefix():
+    """Returns of keys that held no credit decide: no credit before 8 of them were seen; credits once
+    they keep losing their prefix; none again once they find it."""
+    adapter, ledger = _ledger(horizon=1000, kv=100, states=100, open_gate=False)  # room for 5 credits of 10
     for i in range(20):
         _release(adapter, ledger, i, f"k{i}", f"first{i}", kv=10)
-    assert [c.key for c in ledger.credits()] == [f"k{i}" for i in range(5)]  # the others refused
-    for i in range(5, 20):  # back, finding their whole previous sequence
-        _release(adapter, ledger, 20 + i, f"k{i}", f"second{i}", kv=10, hit=10)
-    # the first 7 found the share full; from the 8th return on the evidence says no credit is needed
-    assert ledger.counters.granted == 5 and ledger.counters.kept_anyway == 8
-    for i in range(5):  # the credited ones back: their credits go, no new one comes
-        _release(adapter, ledger, 40 + i, f"k{i}", f"second{i}", kv=10, hit=10)
-    assert len(ledger) == 0 and ledger.counters.granted == 5
-    for i in range(100):  # new keys, each back once, every return losing its prefix
-        _release(adapter, ledger, 50 + i, f"j{i % 40}", f"m{i}", kv=10, hit=0)
-    assert ledger.counters.granted > 5
+    assert ledger.counters.granted == 0 and ledger.counters.kept_anyway == 20  # no evidence yet
+    for i in range(20):  # back, each having lost its prefix
+        _release(adapter, ledger, 20 + i, f"k{i}", f"second{i}", kv=10, hit=0)
+    # from the 8th return on, credits, until the share is full
+    assert [c.key for c in ledger.credits()] == [f"k{i}" for i in range(7, 12)]
+    assert ledger.counters.refused == 8
+    for i in range(20):  # new keys, back finding their whole previous sequence
+        _release(adapter, ledger, 40 + i, f"j{i % 10}", f"j{i}", kv=10, hit=10 if i >= 10 else 0)
+    assert not ledger._history.losing()
+    granted = ledger.counters.granted
+    for i in range(7, 12):  # the credited keys back: their credits go, no new one comes
+        _release(adapter, ledger, 60 + i, f"k{i}", f"third{i}", kv=10, hit=0)
+    assert len(ledger) == 0 and ledger.counters.granted == granted
 
 
 def test_the_learned_horizon_is_twice_the_median_return_gap():
@@ -231,15 +243,16 @@ def test_keyed_conversations_under_thrashing_keep_their_prefix():
 
 
 def test_credits_on_the_tree_never_hold_more_than_the_share():
-    """Every request its own key: the bytes of the credited sequences still cached stay within the
-    share of the capacity."""
+    """Every request keyed (40 keys in turn, none ever continuing its sequence): the bytes of the
+    credited sequences still cached stay within the share of the capacity."""
     cache_bytes = 3000
     policy = HintedPolicy(sglang_plus(PROFILE, cache_bytes), share=0.4)
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 1000, 30)
     for i in range(300):
         inp = np.concatenate((prompt, rng.integers(0, 50_000, int(rng.integers(5, 200)))))
-        policy.serve(Request(f"r{i}", 0, float(i), inp, rng.integers(0, 50_000, 5), prompt_cache_key=f"adv-{i}"))
+        policy.serve(Request(f"r{i}", 0, float(i), inp, rng.integers(0, 50_000, 5),
+                             prompt_cache_key=f"adv-{i % 40}"))
         ledger = policy.ledger
         ledger.check()
         held = sum(c.kv for c in ledger.credits() if c.node.parent is not None)

@@ -107,8 +107,9 @@ class KeyHistory:
     - the horizon: twice the median number of releases between a key's requests
       (DEFAULT_HORIZON until 16 returns were seen), within [8, MAX_HORIZON];
     - whether the cache is losing conversations: among the latest returns of keys that held no
-      credit, the share whose hit fell short of where the key's previous request ended (taken as
-      losing until `_RETURNS_NEEDED` such returns were seen)."""
+      credit, the share whose hit fell short of where the key's previous request ended (not losing
+      until `_RETURNS_NEEDED` such returns were seen: a credit granted without evidence would
+      squeeze the keys without one, whose losses would then keep credits coming)."""
 
     def __init__(self):
         self._last: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (release, end)
@@ -138,7 +139,7 @@ class KeyHistory:
 
     def losing(self) -> bool:
         lost = self._lost
-        return len(lost) < _RETURNS_NEEDED or sum(lost) >= LOSS_NEEDED * len(lost)
+        return len(lost) >= _RETURNS_NEEDED and sum(lost) >= LOSS_NEEDED * len(lost)
 
 
 class HintAdapter(Protocol):

@@ -34,14 +34,19 @@ the request's input, in free room only; a hit confirms it, pressure evicts it fi
 from __future__ import annotations
 
 import functools
+import operator
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.rules import candidates
 from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
 from sglang_marconi.policy.rules.probation import ProbationRegistry, evict_oldest_probationary
 from sglang_marconi.policy.rules import value as value_rule
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex
+from sglang_marconi.policy.tree.radix_tree import PoolNode, RadixTree
 
 # Policies whose `choose` is `candidates.lowest(alpha)` (LRU: alpha 0): under a fixed choice the
 # core asks the index directly, saving a call per eviction; any other policy is asked through `choose`.
@@ -116,7 +121,7 @@ class TreeCore:
     # (`value_reaches_up`) or another index (the host tier's) may list it.
     _lock_refreshes_unlisted = False
 
-    def _configure(self, profile, capacity_bytes: int, eviction: EvictionPolicy, tree, index, *,
+    def _configure(self, profile, capacity_bytes: int, eviction: EvictionPolicy | None, tree, index, *,
                    checkpoint_grid: int = 1, state_slots: int | None = None, probation: bool = False,
                    flops=None, fixed_choice: bool = False, counters=None) -> None:
         if not isinstance(checkpoint_grid, int) or checkpoint_grid < 1:
@@ -144,7 +149,10 @@ class TreeCore:
         # A configuration may bring its own candidate predicate; else `_refresh` applies this one inline.
         self._candidates_overridden = type(self)._is_candidate is not TreeCore._is_candidate
         self.eviction = None
-        self.set_eviction(eviction)
+        # No policy (a pool tree ranks its candidates at the choice): no index column to keep.
+        self._refresh_every_locked = self._lock_refreshes_unlisted
+        if eviction is not None:
+            self.set_eviction(eviction)
 
     # -- accounting ------------------------------------------------------------------------------
     def bytes_of(self, kv_tokens: int, states: int) -> int:
@@ -452,6 +460,7 @@ class TreeCore:
         finally:
             if deepest is not None:
                 self.unlock(deepest)
+            self.eviction.observe_request(self, request, n)  # a rule that learns from the stream (`eviction/depth.py`)
 
     def _node_on(self, spine: list, pos: int):
         """The node ending at `pos` on the admitted path (`spine`, root side first), its edge split
@@ -572,3 +581,296 @@ class TokenArrayRequests:
     @staticmethod
     def _request_edge(seq, start: int, end: int) -> tuple:
         return (seq[start:end],)
+
+
+_STAMP_STEP = 0.00001  # a match stamps the node hit's ancestors this much older, level by level (SGLang's)
+_node_id = operator.attrgetter("id")
+
+
+class PoolTree:
+    """A configuration of `TreeCore` (`class Cache(PoolTree, TreeCore)`): SGLang's radix tree over a
+    serving engine's two pools, KV token slots and state slots, as its `UnifiedRadixCache` runs it.
+    What it changes in the core's mechanics:
+
+    - No compression: split points, tombstoned states and stateless leaves stay as nodes
+      (`_compress` keeps them; a deleted leaf frees only its own edge); nodes are `PoolNode`s.
+    - Recency is SGLang's counter (`_tick`, advanced where SGLang advances it): two ticks per new
+      node, a split restamps the node it cut, an insert stamps every node it walks
+      (`_insert_state`), a match stamps the node hit and its ancestors (`_match_reused`); a
+      state's own recency (`state_time`, ranked under state pressure) is when it was last
+      committed or reused.
+    - Two locks: a running request holds the KV of its reused path (`lock_count`, the core's
+      `lock`) and the reused node's state (`state_lock`): `lock_reused` / `unlock_reused`.
+    - The pools: `kv_slots` and `state_slots`, of which running requests hold `held_kv` and
+      `held_states` outside the tree; `_free_up` walks one pressure at a time until an allocation
+      fits (SGLang's `evict_for_alloc`): under KV pressure the unlocked leaves, deleted whole;
+      under state pressure probationary states first (oldest), then a candidate state
+      (`rules/candidates.py`: a leaf goes whole, a single-child node loses its state), else the
+      least recently used unlocked state (`lru_states`: always that one, SGLang's LRU).
+    - Candidates are kept as sets on every edit (the childless nodes; the stated nodes, least
+      recently used first) and ranked when a victim is asked for: a value counts from the node's
+      anchor (`rules/value.py`), which edits above it move. The configuration brings the value
+      (`_candidate_value(node, leaf)`) and the score's weight (`weight`); ties go to the smallest
+      node id (`CandidateIndex.lowest`). `_record(pressure, kind, node)` is told of each eviction.
+    """
+
+    def _configure_pools(self, profile, kv_slots: int, state_slots: int, *, probation: bool, counters) -> None:
+        self._configure(profile, int(kv_slots) * int(profile.kv_bytes_per_token), None, RadixTree(1, PoolNode), None,
+                        state_slots=state_slots, probation=probation, counters=counters)
+        self.kv_slots = int(kv_slots)
+        self.held_kv = 0
+        self.held_states = 0
+        self._childless: dict[int, PoolNode] = {}  # nodes without children, locked or not
+        self._state_recency: OrderedDict[int, PoolNode] = OrderedDict()  # stated nodes, least recent first
+        self.weight = 0.0
+        self.lru_states = False
+        root = self.tree.root
+        root.last_access = self._tick()  # SGLang's node: last_access_time, then creation_time
+        self._tick()
+
+    @property
+    def kv_free(self) -> int:
+        return self.kv_slots - self.kv_tokens - self.held_kv
+
+    @property
+    def state_free(self) -> int:
+        return self.state_slots - self.ssm_states - self.held_states
+
+    def _tick(self) -> float:
+        """SGLang's time counter: the time now, then advanced."""
+        now = self.clock
+        self.clock = now + 1.0
+        return now
+
+    def _record(self, pressure: str, kind: str, node) -> None:
+        """An eviction is about to happen (a configuration may keep a log)."""
+
+    # -- the core's edits, on an uncompressed tree with candidate sets ----------------------------
+    def _refresh(self, node) -> None:
+        """No index to keep: candidates are ranked at the choice."""
+
+    def _compress(self, node) -> None:
+        """SGLang keeps stateless single-child nodes."""
+
+    def _split(self, child, k: int):
+        head = self.tree.split(child, k)  # the head holds the path's KV lock, as SGLang's split copies it
+        tick = self._tick
+        head.last_access = tick()
+        tick()
+        child.last_access = tick()
+        return head
+
+    def _add_leaf(self, parent, *edge):
+        leaf = self.tree.add_leaf(parent, *edge)
+        self.kv_tokens += leaf.end - parent.end
+        leaf.last_access = self._tick()
+        self._tick()
+        self._childless.pop(parent.id, None)
+        self._childless[leaf.id] = leaf
+        return leaf
+
+    def _state_used(self, node) -> None:
+        """`node`'s state was just committed or reused: the most recent."""
+        recency = self._state_recency
+        recency[node.id] = node
+        recency.move_to_end(node.id)
+        node.state_time = self._tick()
+
+    def _forget_state(self, node) -> None:
+        self._probation.forget(node)
+        node.has_state = False
+        self.ssm_states -= 1
+        del self._state_recency[node.id]
+
+    def _remove_leaf(self, node) -> None:
+        """Delete a leaf whole: its state and its own edge's KV."""
+        if node.has_state:
+            self._forget_state(node)
+        self.kv_tokens -= node.end - node.parent.end
+        parent = self.tree.remove_leaf(node)
+        del self._childless[node.id]
+        if not parent.children and parent is not self.tree.root:
+            self._childless[parent.id] = parent
+
+    def _drop_state(self, node) -> None:
+        """A state-pressure victim: an evictable leaf goes whole, any other node loses its state."""
+        if self._is_evictable_leaf(node):
+            self._remove_leaf(node)
+        else:
+            self._forget_state(node)
+
+    def _is_evictable_leaf(self, node) -> bool:
+        return not node.children and not node.lock_count and not node.state_lock and node is not self.tree.root
+
+    # -- locks -----------------------------------------------------------------------------------
+    def lock_reused(self, node) -> None:
+        """A running request's reused prefix: the KV of `node`'s path and `node`'s state."""
+        if node is self.tree.root:
+            return
+        node.state_lock += 1
+        self.lock(node)
+
+    def unlock_reused(self, node) -> None:
+        if node is self.tree.root:
+            return
+        assert node.state_lock > 0, node
+        node.state_lock -= 1
+        self.unlock(node)
+
+    # -- match and insert ------------------------------------------------------------------------
+    def _match_reused(self, key):
+        """SGLang's match of `key`: the edge it leaves midway is split there, the deepest node on
+        its path holding a state is reused (its state refreshed and confirmed), and that node and
+        its ancestors are stamped. Returns (node reused, or the root; tokens of KV matched)."""
+        root = self.tree.root
+        if not len(key):
+            return root, 0  # SGLang's empty match: nothing walked, nothing stamped
+        walk = self.tree.walk(key)
+        best = root
+        for node in walk.path:
+            if node.has_state:
+                best = node
+        if walk.partial is not None:
+            self._split(walk.partial, walk.partial_len)
+        if best.has_state:
+            self._state_used(best)
+            self._probation.confirm(best)
+        stamp = self._tick()
+        node = best
+        while node is not None:
+            node.last_access = stamp
+            stamp -= _STAMP_STEP
+            node = node.parent
+        return best, walk.overlap
+
+    def _insert_state(self, key, probationary: bool):
+        """SGLang's insert of `key` with a state at its end (a probationary one if `probationary`
+        and new): (node, whether it held a state already, tokens of KV that were cached)."""
+        tick = self._tick
+        tick()  # the insert touches the root
+        walk = self.tree.walk(key)
+        for node in walk.path:
+            node.last_access = tick()
+        node = walk.path[-1] if walk.path else self.tree.root
+        if walk.partial is not None:
+            walk.partial.last_access = tick()
+            node = self._split(walk.partial, walk.partial_len)
+        overlap, n = walk.overlap, len(key)
+        if overlap < n:
+            node = self._add_leaf(node, key[overlap:].copy())
+        else:
+            node.last_access = tick()
+        existed = node.has_state
+        if not existed:
+            node.has_state = True
+            self.ssm_states += 1
+        self._state_used(node)
+        if not probationary:
+            self._probation.confirm(node)
+        elif not existed:
+            self._probation.add(node)
+        return node, existed, overlap
+
+    def _whole_edges(self, key) -> list:
+        """The nodes whose whole edge `key` follows from the root, in order (nothing changes)."""
+        return self.tree.walk(key).path
+
+    # -- eviction --------------------------------------------------------------------------------
+    def _free_up(self, kv: int = 0, states: int = 0, probation_only: bool = False) -> None:
+        """Walk until `kv` more KV slots (KV pressure) or `states` more state slots (state
+        pressure) are free than now, or nothing more can go; `probation_only`: probationary
+        states only."""
+        if kv > 0 and not probation_only:
+            target = self.kv_free + kv
+            while self.kv_free < target:
+                node = self._kv_victim()
+                if node is None:
+                    break
+                self._record("kv", "leaf", node)
+                self.counters.evictions_leaf += 1
+                self._remove_leaf(node)
+        if states > 0:
+            target = self.state_free + states
+            freed = 0
+            while self.state_free < target and freed < states:
+                if not self._evict_state(probation_only):
+                    break
+                freed += 1
+
+    def _evict_state(self, probation_only: bool) -> bool:
+        c = self.counters
+        if self.probation or probation_only:
+            node = self._probation.oldest_unlocked(_state_locked)
+            if node is not None:
+                self._record("mamba", "probationary", node)
+                c.evictions_probationary += 1
+                self._drop_state(node)
+                return True
+            if probation_only:
+                return False
+        if self.lru_states:
+            node, kind = self._least_recent_unlocked_state(), "lru"
+        else:
+            node, kind = self._state_victim(), None
+            if node is None:
+                node, kind = self._least_recent_unlocked_state(), "fallback"
+        if node is None:
+            return False
+        if kind == "fallback":
+            c.evictions_fallback += 1
+        elif self._is_evictable_leaf(node):
+            kind = "leaf"
+            c.evictions_leaf += 1
+        else:
+            kind = "single_child"
+            c.evictions_single_child += 1
+        self._record("mamba", kind, node)
+        self._drop_state(node)
+        return True
+
+    def _kv_victim(self):
+        """The lowest-scoring unlocked leaf (a stateless one is worth nothing), or None."""
+        index = CandidateIndex(tie_key=CandidateIndex.node_id)
+        value = self._candidate_value
+        for node in sorted((n for n in self._childless.values() if not n.lock_count and not n.state_lock),
+                           key=_node_id):
+            index.add(node, node.last_access, value(node, True) if node.has_state else 0.0)
+        return index.lowest(self.weight) if len(index) else None
+
+    def _state_victim(self):
+        """The lowest-scoring state candidate, ranked by its state's recency, or None."""
+        index = CandidateIndex(tie_key=CandidateIndex.node_id)
+        value = self._candidate_value
+        for node in sorted(self._state_recency.values(), key=_node_id):
+            leaf = self._is_evictable_leaf(node)
+            if candidates.state_candidate(node.state_lock, leaf, len(node.children)):
+                index.add(node, node.state_time, value(node, leaf))
+        return index.lowest(self.weight) if len(index) else None
+
+    def _least_recent_unlocked_state(self):
+        for node in self._state_recency.values():
+            if not node.state_lock:
+                return node
+        return None
+
+    # -- checking --------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the tree, the candidate sets and the two ledgers disagree."""
+        kv = states = 0
+        nodes = list(self.tree.nodes())
+        for node in nodes:
+            kv += node.end - node.parent.end
+            states += node.has_state
+            self.tree.check_node(node)
+            assert node.has_state == (node.id in self._state_recency), node
+        assert kv == self.kv_tokens and states == self.ssm_states, (kv, self.kv_tokens, states, self.ssm_states)
+        assert {n.id for n in nodes if not n.children} == set(self._childless)
+        assert self.held_kv >= 0 and self.held_states >= 0
+        assert self.kv_free >= 0 and self.state_free >= 0, (self.kv_free, self.state_free)
+        for node in self._probation:
+            assert node.has_state and node.parent is not None, f"stale probationary state {node!r}"
+        assert self.probation or not self._probation
+
+
+def _state_locked(node) -> int:
+    return node.state_lock

@@ -38,6 +38,19 @@ class Node:
         return f"Node(id={self.id}, [{self.start},{self.end}), state={self.has_state}, children={len(self.children)})"
 
 
+class PoolNode(Node):
+    """A node of a tree over two pools (`core.PoolTree`): `lock_count` locks the KV of the path
+    above it, `state_lock` its own state (a running request's reused state); `state_time` is when
+    its state was last committed or reused (the recency ranked under state pressure)."""
+
+    __slots__ = ("state_lock", "state_time")
+
+    def __init__(self, parent: Node | None, tokens: np.ndarray, end: int, node_id: int):
+        super().__init__(parent, tokens, end, node_id)
+        self.state_lock = 0
+        self.state_time: float | None = None
+
+
 @dataclass(slots=True)
 class Walk:
     """Where a sequence leaves the tree: `path` holds the nodes matched whole (root excluded);
@@ -75,12 +88,13 @@ def as_token_array(tokens) -> np.ndarray:
 
 
 class RadixTree:
-    def __init__(self, page_size: int = 1):
+    def __init__(self, page_size: int = 1, node_type: type = Node):
         if not isinstance(page_size, int) or page_size < 1:
             raise MarconiError(f"page_size must be a positive integer, got {page_size!r}")
         self.page_size = page_size
+        self._node_type = node_type
         self._next_id = 1
-        self.root = Node(None, np.empty(0, dtype=np.int64), 0, 0)
+        self.root = node_type(None, np.empty(0, dtype=np.int64), 0, 0)
         self.root.lock_count = 1  # the root is never evicted
 
     # -- keys and comparison -------------------------------------------------------------------
@@ -122,7 +136,7 @@ class RadixTree:
 
     # -- mutations ------------------------------------------------------------------------------
     def _new_node(self, parent: Node, tokens: np.ndarray, end: int) -> Node:
-        node = Node(parent, tokens, end, self._next_id)
+        node = self._node_type(parent, tokens, end, self._next_id)
         self._next_id += 1
         return node
 

@@ -42,25 +42,21 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.rules import branch_grid, candidates
+from sglang_marconi.policy.rules import branch_grid
 from sglang_marconi.policy.rules import value as value_rule
-from sglang_marconi.policy.rules.probation import ProbationRegistry
-from sglang_marconi.policy.tree.candidate_index import CandidateIndex
-from sglang_marconi.policy.tree.radix_tree import as_token_array
+from sglang_marconi.policy.tree.core import PoolTree, TreeCore
+from sglang_marconi.policy.tree.radix_tree import PoolNode, as_token_array
 
 NO_BUFFER, EXTRA_BUFFER = "no_buffer", "extra_buffer"
 STRATEGIES = (NO_BUFFER, EXTRA_BUFFER)
 LRU = "lru"  # the shadow tuner's name for SGLang's LRU (policy/tuning/shadow_tuner.py)
-_STAMP_STEP = 0.00001  # a match stamps ancestors this much older, level by level (SGLang's)
-_holds_state = operator.attrgetter("state")
+_holds_state = operator.attrgetter("has_state")
 _end_of = operator.attrgetter("end")
-_node_id = operator.attrgetter("id")
 
 
 @dataclass(frozen=True)
@@ -125,30 +121,6 @@ class ServedOutcome:
     states_admitted: int
 
 
-class _Node:
-    __slots__ = ("id", "parent", "children", "tokens", "end", "state", "full_lock", "mamba_lock",
-                 "last_access", "state_time")
-
-    def __init__(self, node_id: int, parent, tokens: np.ndarray, end: int, stamp: float):
-        self.id = node_id
-        self.parent = parent
-        self.children: dict = {}
-        self.tokens = tokens
-        self.end = end
-        self.state = False
-        self.full_lock = 0
-        self.mamba_lock = 0
-        self.last_access = stamp
-        self.state_time: float | None = None
-
-    @property
-    def start(self) -> int:
-        return self.end - len(self.tokens)
-
-    def __repr__(self) -> str:
-        return f"Node(id={self.id}, [{self.start},{self.end}), state={self.state}, children={len(self.children)})"
-
-
 @dataclass
 class _Request:
     """One running request's bookkeeping (SGLang's `req.kv` and `req.marconi`)."""
@@ -157,11 +129,10 @@ class _Request:
     prefix_len: int  # tokens whose KV the request has (the match, then each extend)
     protected: int  # req.kv.cache_protected_len: the prefix the tree owns
     branch: int | None
-    lock: _Node | None = None
-    private_kv: int = 0  # KV slots allocated and not (yet) the tree's
+    lock: PoolNode | None = None
     slots: int = 0  # Mamba slots held
     last_track: int | None = None  # extra_buffer: the latest snapshot's position
-    probation_node: _Node | None = None
+    probation_node: PoolNode | None = None
     admitted: int = 0
 
 
@@ -176,29 +147,15 @@ class ServedEvent:
     end: int
 
 
-class ServedCache:
+class ServedCache(PoolTree, TreeCore):
     """See the module docstring. `choice`: "lru", an alpha (FLOP-aware) or "seglen:W"."""
 
     def __init__(self, profile, pools: ServedPools, choice=0.0, *, probation: bool = True, record: bool = False):
-        self.profile = profile
-        self.pools = pools
-        self.probation = probation
-        self.kv_bytes_per_token = int(profile.kv_bytes_per_token)
-        self.ssm_state_bytes = int(profile.ssm_state_bytes)
-        if self.ssm_state_bytes <= 0:
+        if int(profile.ssm_state_bytes) <= 0:
             raise MarconiError(f"{profile.name} has no SSM state: the served Mamba cache does not apply")
-        self.counters = ServedCounters()
-        self._clock = 0.0
-        self._next_id = 0
-        self.root = self._new_node(None, np.empty(0, dtype=np.int64), 0)
-        self.kv_used = 0  # tree KV + what the running request holds
-        self.tree_kv = 0
-        self.mamba_used = 0  # tree states + the running request's slots + a state being inserted
-        self.tree_states = 0
-        self._mamba_lru: OrderedDict[int, _Node] = OrderedDict()  # stated nodes, least recent first
-        self._childless: dict[int, _Node] = {}  # nodes without children (leaves, locked or not)
-        self._probation = ProbationRegistry()
-        self._flops: dict[tuple[int, int], float] = {}
+        self.pools = pools
+        self._configure_pools(profile, pools.kv_tokens, pools.mamba_slots, probation=probation,
+                              counters=ServedCounters())
         self.served = 0
         self.events: list[ServedEvent] | None = [] if record else None
         self.set_choice(choice)
@@ -211,36 +168,44 @@ class ServedCache:
             self.kind, self.weight = "seglen", float(choice.partition(":")[2])
         else:
             self.kind, self.weight = "flops", float(choice)
+        self.lru_states = self.kind == LRU
         self.choice = choice
+
+    def _candidate_value(self, node, leaf: bool) -> float:
+        """FLOPs saved back to the node's anchor per byte freed (`policy/rules/value.py`), or with
+        SegLen that replay length."""
+        start, end = value_rule.anchor_end(node, self.tree.root, _holds_state, _end_of), node.end
+        if self.kind == "seglen":
+            return float(end - start)
+        return value_rule.flops_saved_per_byte(self.flops(start, end), self.ssm_state_bytes,
+                                               self.kv_bytes_per_token * (end - start) if leaf else 0)
+
+    def _record(self, pressure: str, kind: str, node) -> None:
+        if self.events is not None:
+            self.events.append(ServedEvent(self.served, pressure, kind, node.start, node.end))
 
     # -- ledgers -----------------------------------------------------------------------------
     @property
-    def kv_free(self) -> int:
-        return self.pools.kv_tokens - self.kv_used
+    def tree_kv(self) -> int:
+        return self.kv_tokens
+
+    @property
+    def tree_states(self) -> int:
+        return self.ssm_states
+
+    @property
+    def kv_used(self) -> int:
+        """Tree KV + what the running request holds."""
+        return self.kv_tokens + self.held_kv
+
+    @property
+    def mamba_used(self) -> int:
+        """Tree states + the running request's slots + a state being inserted."""
+        return self.ssm_states + self.held_states
 
     @property
     def mamba_free(self) -> int:
-        return self.pools.mamba_slots - self.mamba_used
-
-    @property
-    def kv_tokens(self) -> int:
-        return self.tree_kv
-
-    @property
-    def ssm_states(self) -> int:
-        return self.tree_states
-
-    def _tick(self) -> float:
-        t = self._clock
-        self._clock += 1.0
-        return t
-
-    def _new_node(self, parent, tokens, end) -> _Node:
-        node = _Node(self._next_id, parent, tokens, end, 0.0)
-        self._next_id += 1
-        node.last_access = self._tick()  # UnifiedTreeNode: last_access_time, then creation_time
-        self._tick()
-        return node
+        return self.state_free
 
     # -- one request ---------------------------------------------------------------------------
     def serve(self, input_tokens, output_tokens) -> ServedOutcome:
@@ -259,14 +224,14 @@ class ServedCache:
         pools = self.pools
         step = pools.snapshot_step if pools.extra_buffer else None
         # Req.init_next_round_input: match input[:n_in - 1], copy-on-write the state hit
-        best, full_hit = self._match(seq[: n_in - 1])
+        best, full_hit = self._match_reused(seq[: n_in - 1])
         hit = best.end
         req = _Request(n_in, hit, hit, branch_grid.branch_position(full_hit, hit))
-        if best.state:
-            if self.mamba_free < 1:
-                self._lock(best)
-                self._evict(mamba=1)
-                self._unlock(best)
+        if best.has_state:
+            if self.state_free < 1:
+                self.lock_reused(best)
+                self._free_up(states=1)
+                self.unlock_reused(best)
             self._alloc_slots(req, 1)
         # prefill, chunk by chunk
         first = True
@@ -292,42 +257,40 @@ class ServedCache:
                     req.last_track = (n_in + n_out - 1) // grid * grid
         # release_kv_cache(checkpoint=True)
         self._checkpoint(req, seq, len(seq), finished=True)
-        self.kv_used -= req.private_kv
-        req.private_kv = 0
+        self.held_kv = 0  # what the tree did not take is freed
         if req.lock is not None:
-            self._unlock(req.lock)
+            self.unlock_reused(req.lock)
             req.lock = None
         self.served += 1
         return ServedOutcome(hit, full_hit, req.admitted)
 
-    def _extend(self, req: _Request, end: int, lock: _Node | None) -> None:
+    def _extend(self, req: _Request, end: int, lock: PoolNode | None) -> None:
         if lock is not None:  # the first extend locks the prefix the match reused
             req.lock = lock
-            self._lock(lock)
+            self.lock_reused(lock)
             needed = (0 if req.slots else 1) + (self.pools.tracking_slots if self.pools.extra_buffer else 0)
             if needed:
-                if self.mamba_free < needed:
-                    self._evict(mamba=needed - self.mamba_free)
-                if self.mamba_free < needed:
+                if self.state_free < needed:
+                    self._free_up(states=needed - self.state_free)
+                if self.state_free < needed:
                     raise MarconiError("out of Mamba slots for a running request (SGLang: alloc_req_slots fails)")
                 self._alloc_slots(req, needed)
         self._alloc_kv(req, end - req.prefix_len)
 
     def _alloc_slots(self, req: _Request, k: int) -> None:
-        assert self.mamba_free >= k
-        self.mamba_used += k
+        assert self.state_free >= k
+        self.held_states += k
         req.slots += k
 
     def _alloc_kv(self, req: _Request, n: int) -> None:
         if n <= 0:
             return
         if self.kv_free < n:
-            self._evict(kv=n - self.kv_free)
+            self._free_up(kv=n - self.kv_free)
         if self.kv_free < n:
             raise MarconiError(f"out of KV slots: {n} needed, {self.kv_free} free after eviction "
                                f"(SGLang: alloc_token_slots fails)")
-        self.kv_used += n
-        req.private_kv += n
+        self.held_kv += n
 
     def _track_extend(self, req: _Request, end: int) -> None:
         """ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend, with Marconi's steering."""
@@ -360,7 +323,7 @@ class ServedCache:
                 c.final_states_admitted += 1
             elif req.probation_node is not None:
                 node, req.probation_node = req.probation_node, None
-                if node.state and self._probation.confirm(node):
+                if node.has_state and self._probation.confirm(node):
                     c.final_states_admitted += 1
             pending = 0  # the request's own slot is donated: no new slot
         else:
@@ -379,11 +342,11 @@ class ServedCache:
             if not cache_len:
                 req.last_track = None
                 return
-            if self.mamba_free < 1:  # MambaComponent._alloc_mamba_slot
-                self._evict(mamba=1)
-            if self.mamba_free < 1:
+            if self.state_free < 1:  # MambaComponent._alloc_mamba_slot
+                self._free_up(states=1)
+            if self.state_free < 1:
                 raise MarconiError("out of Mamba slots for a checkpoint (SGLang: _alloc_mamba_slot asserts)")
-            self.mamba_used += 1
+            self.held_states += 1
             pending = 1
             if probationary:
                 c.probationary_admitted += 1
@@ -393,15 +356,16 @@ class ServedCache:
         if length <= 0:
             self._release_request_slots(req, finished, inserted=False)
             return
-        target, exists, overlap_end = self._insert(seq[:length], probationary)
-        # KV: [protected, overlap_end) were duplicates of the tree's (freed); the rest is the tree's now
-        self.kv_used -= overlap_end - req.protected
-        req.private_kv -= length - req.protected
-        self.tree_kv += length - overlap_end
+        target, exists, _ = self._insert_state(seq[:length], probationary)
+        # KV: of [protected, length), the part the tree held already was a duplicate (freed), the
+        # rest is the tree's now; a new state's slot (pending, or the request's own) is the tree's
+        self.held_kv -= length - req.protected
+        if not exists:
+            self.held_states -= 1
         if req.lock is not None:
-            self._unlock(req.lock)
+            self.unlock_reused(req.lock)
         req.lock = target
-        self._lock(target)
+        self.lock_reused(target)
         req.protected = length
         if probationary and not exists:
             req.probation_node = target
@@ -411,7 +375,7 @@ class ServedCache:
             self._release_request_slots(req, finished, inserted=not exists)
         else:
             if exists:
-                self.mamba_used -= pending
+                self.held_states -= pending
             req.last_track = None
 
     def _release_request_slots(self, req: _Request, finished: bool, inserted: bool) -> None:
@@ -419,272 +383,23 @@ class ServedCache:
         if not finished:
             req.last_track = None
             return
-        self.mamba_used -= req.slots - (1 if inserted else 0)
+        self.held_states -= req.slots - (1 if inserted else 0)
         req.slots = 0
 
     def _reserve_slot(self, probation_only: bool = False) -> bool:
         """MarconiAdmission._marconi_reserve_slot."""
-        if self.mamba_free >= 1:
+        if self.state_free >= 1:
             return True
         if probation_only and not self._probation:
             return False
-        self._evict(mamba=1, probation_only=probation_only)
-        return self.mamba_free >= 1
-
-    # -- the tree --------------------------------------------------------------------------------
-    @staticmethod
-    def _common(edge: np.ndarray, seq: np.ndarray, pos: int) -> int:
-        lim = min(len(edge), len(seq) - pos)
-        eq = edge[:lim] == seq[pos: pos + lim]
-        return lim if eq.all() else int(eq.argmin())
-
-    def _match(self, key: np.ndarray) -> tuple[_Node, int]:
-        """UnifiedTreeCore.match_prefix (+ Marconi's exact branch): (node hit, full-KV match)."""
-        node, pos, best = self.root, 0, self.root
-        if not len(key):
-            return best, 0  # SGLang's empty match result: nothing walked, nothing stamped
-        while pos < len(key):
-            child = node.children.get(int(key[pos]))
-            if child is None:
-                break
-            m = self._common(child.tokens, key, pos)
-            pos += m
-            if m < len(child.tokens):
-                node = self._split(child, m)
-                break
-            node = child
-            if node.state:
-                best = node
-        if best.state:  # MATCH_END: the state reused is refreshed (and confirmed)
-            self._mamba_lru.move_to_end(best.id)
-            best.state_time = self._tick()
-            self._probation.confirm(best)
-        stamp = self._tick()
-        n = best
-        while n is not None:
-            n.last_access = stamp
-            stamp -= _STAMP_STEP
-            n = n.parent
-        return best, pos
-
-    def _split(self, child: _Node, k: int) -> _Node:
-        parent = child.parent
-        head = self._new_node(parent, child.tokens[:k], child.start + k)
-        head.full_lock = child.full_lock
-        parent.children[int(child.tokens[0])] = head
-        child.tokens = child.tokens[k:]
-        child.parent = head
-        head.children[int(child.tokens[0])] = child
-        child.last_access = self._tick()
-        return head
-
-    def _insert(self, key: np.ndarray, probationary: bool) -> tuple[_Node, bool, int]:
-        """UnifiedTreeCore insert with a Mamba state at its end: (node, state existed, overlap)."""
-        self._tick()  # begin_insert touches the root
-        node, pos = self.root, 0
-        n = len(key)
-        while pos < n:
-            child = node.children.get(int(key[pos]))
-            if child is None:
-                break
-            child.last_access = self._tick()
-            m = self._common(child.tokens, key, pos)
-            if m < len(child.tokens):
-                child = self._split(child, m)
-            node, pos = child, pos + m
-        overlap = pos
-        if pos < n:
-            leaf = self._new_node(node, key[pos:].copy(), n)
-            node.children[int(key[pos])] = leaf
-            self._childless.pop(node.id, None)
-            self._childless[leaf.id] = leaf
-            node, new_leaf = leaf, True
-        else:
-            new_leaf = False
-        exists = node.state
-        if not new_leaf:
-            node.last_access = self._tick()
-        if not exists:
-            node.state = True
-            self.tree_states += 1
-        self._mamba_lru[node.id] = node
-        self._mamba_lru.move_to_end(node.id)
-        node.state_time = self._tick()
-        if not probationary:
-            self._probation.confirm(node)
-        elif not exists:
-            self._probation.add(node)
-        return node, exists, overlap
-
-    def _lock(self, node: _Node) -> None:
-        if node is self.root:
-            return
-        node.mamba_lock += 1
-        n = node
-        while n is not self.root:
-            n.full_lock += 1
-            n = n.parent
-
-    def _unlock(self, node: _Node) -> None:
-        if node is self.root:
-            return
-        assert node.mamba_lock > 0
-        node.mamba_lock -= 1
-        n = node
-        while n is not self.root:
-            assert n.full_lock > 0
-            n.full_lock -= 1
-            n = n.parent
-
-    def _is_leaf(self, node: _Node) -> bool:
-        """SGLang's evictable device leaf."""
-        return node is not self.root and not node.children and not node.full_lock and not node.mamba_lock
-
-    # -- eviction --------------------------------------------------------------------------------
-    def _evict(self, kv: int = 0, mamba: int = 0, probation_only: bool = False) -> None:
-        """UnifiedRadixCache.evict_for_alloc: walk until the pool has `kv` more free KV slots
-        (FULL walk) or `mamba` more free state slots (MAMBA walk) than now."""
-        if kv > 0 and not probation_only:
-            target = self.kv_free + kv
-            while self.kv_free < target:
-                node = self._kv_victim()
-                if node is None:
-                    break
-                self._record("kv", "leaf", node)
-                self.counters.evictions_leaf += 1
-                self._delete_leaf(node)
-        if mamba > 0:
-            target = self.mamba_free + mamba
-            freed = 0
-            while self.mamba_free < target and freed < mamba:
-                if not self._mamba_step(probation_only):
-                    break
-                freed += 1
-
-    def _mamba_step(self, probation_only: bool) -> bool:
-        c = self.counters
-        if self.probation or probation_only:
-            for node in self._probation:
-                if not node.mamba_lock:
-                    self._record("mamba", "probationary", node)
-                    c.evictions_probationary += 1
-                    self._drop_state(node)
-                    return True
-            if probation_only:
-                return False
-        if self.kind == LRU:
-            node = self._lru_unlocked_state()
-            kind = "lru"
-        else:
-            node = self._mamba_victim()
-            kind = None
-            if node is None:
-                node, kind = self._lru_unlocked_state(), "fallback"
-        if node is None:
-            return False
-        leaf = self._is_leaf(node)
-        kind = kind if kind == "fallback" else ("leaf" if leaf else "single_child")
-        if kind == "fallback":
-            c.evictions_fallback += 1
-        elif leaf:
-            c.evictions_leaf += 1
-        else:
-            c.evictions_single_child += 1
-        self._record("mamba", kind, node)
-        self._drop_state(node)
-        return True
-
-    def _drop_state(self, node: _Node) -> None:
-        """A Mamba-pressure victim: a leaf goes whole, any other node loses its state."""
-        if self._is_leaf(node):
-            self._delete_leaf(node)
-            return
-        self._probation.forget(node)
-        node.state = False
-        self.tree_states -= 1
-        self.mamba_used -= 1
-        del self._mamba_lru[node.id]
-
-    def _delete_leaf(self, node: _Node) -> None:
-        if node.state:
-            self._probation.forget(node)
-            node.state = False
-            self.tree_states -= 1
-            self.mamba_used -= 1
-            del self._mamba_lru[node.id]
-        n = len(node.tokens)
-        self.tree_kv -= n
-        self.kv_used -= n
-        parent = node.parent
-        del parent.children[int(node.tokens[0])]
-        node.parent = None
-        del self._childless[node.id]
-        if not parent.children and parent is not self.root:
-            self._childless[parent.id] = parent
-
-    def _lru_unlocked_state(self) -> _Node | None:
-        for node in self._mamba_lru.values():
-            if not node.mamba_lock:
-                return node
-        return None
-
-    def _record(self, pressure: str, kind: str, node: _Node) -> None:
-        if self.events is not None:
-            self.events.append(ServedEvent(self.served, pressure, kind, node.start, node.end))
-
-    # -- Marconi's candidates (serving/tree_index.py: the same sets and values) ---------------------
-    def _value(self, node: _Node, leaf: bool) -> float:
-        start, end = value_rule.anchor_end(node, self.root, _holds_state, _end_of), node.end
-        if self.kind == "seglen":
-            return float(end - start)
-        flops = self._flops.get((start, end))
-        if flops is None:
-            if len(self._flops) >= 1 << 16:
-                self._flops.clear()
-            flops = self._flops[(start, end)] = self.profile.prefill_flops(start, end)
-        return value_rule.flops_saved_per_byte(flops, self.ssm_state_bytes,
-                                          self.kv_bytes_per_token * (end - start) if leaf else 0)
-
-    def _nodes(self):
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
-
-    def _kv_victim(self) -> _Node | None:
-        index = CandidateIndex(tie_key=CandidateIndex.node_id)
-        for node in sorted((n for n in self._childless.values() if not n.full_lock and not n.mamba_lock),
-                           key=lambda n: n.id):
-            index.add(node, node.last_access, self._value(node, True) if node.state else 0.0)
-        return index.lowest(self.weight) if len(index) else None
-
-    def _mamba_victim(self) -> _Node | None:
-        index = CandidateIndex(tie_key=CandidateIndex.node_id)
-        for node in sorted(self._mamba_lru.values(), key=_node_id):
-            leaf = self._is_leaf(node)
-            if candidates.state_candidate(node.mamba_lock, leaf, len(node.children)):
-                index.add(node, node.state_time, self._value(node, leaf))
-        return index.lowest(self.weight) if len(index) else None
-
-    def _whole_edges(self, seq):
-        """The nodes whose whole edge `seq` follows from the root, in order (nothing changed)."""
-        node, pos = self.root, 0
-        while pos < len(seq):
-            child = node.children.get(int(seq[pos]))
-            if child is None:
-                return
-            m = self._common(child.tokens, seq, pos)
-            if m < len(child.tokens):
-                return
-            node, pos = child, pos + m
-            yield node
+        self._free_up(states=1, probation_only=probation_only)
+        return self.state_free >= 1
 
     def peek_hit(self, input_tokens) -> int:
         """The hit `serve` would report for this input, changing nothing."""
         hit = 0
         for node in self._whole_edges(input_tokens[: len(input_tokens) - 1]):
-            if node.state:
+            if node.has_state:
                 hit = node.end
         return hit
 
@@ -692,33 +407,26 @@ class ServedCache:
         """Whether serving a request of `n_in` input tokens that keeps `n_kept` could evict: it
         allocates at most its kept tokens + 1 KV slots and its own slots + 2 Mamba slots (a branch
         state and a probationary one)."""
-        return self.kv_free < n_kept + 1 or self.mamba_free < self.pools.request_slots + 2
+        return self.kv_free < n_kept + 1 or self.state_free < self.pools.request_slots + 2
 
     # -- copies and checks -----------------------------------------------------------------------
     def copy(self, choice=None) -> ServedCache:
         """An independent copy (a tuner's shadows fork from one), optionally under another choice."""
-        clone = copy.deepcopy(self, {id(self.profile): self.profile})
+        # the profile and the FLOPs memo (a function of the profile) are shared, not copied
+        clone = copy.deepcopy(self, {id(self.profile): self.profile, id(self.flops): self.flops})
         if choice is not None:
             clone.set_choice(choice)
         return clone
 
     def states_on_path(self, tokens) -> list[int]:
         """Depths along `tokens` where this cache holds a state (diagnosis)."""
-        return [node.end for node in self._whole_edges(as_token_array(tokens)) if node.state]
+        return [node.end for node in self._whole_edges(as_token_array(tokens)) if node.has_state]
 
     def check_invariants(self) -> None:
-        kv = states = 0
-        for node in self._nodes():
-            kv += len(node.tokens)
-            states += node.state
-            assert node.end == node.parent.end + len(node.tokens) and len(node.tokens) > 0, node
-            assert node.state == (node.id in self._mamba_lru), node
-            for key, child in node.children.items():
-                assert child.parent is node and int(child.tokens[0]) == key
-            assert node.full_lock == 0 and node.mamba_lock == 0, f"locked while idle: {node!r}"
-        assert kv == self.tree_kv == self.kv_used, (kv, self.tree_kv, self.kv_used)
-        assert {n.id for n in self._nodes() if not n.children} == set(self._childless)
-        assert states == self.tree_states == self.mamba_used, (states, self.tree_states, self.mamba_used)
-        assert kv <= self.pools.kv_tokens and states <= self.pools.mamba_slots
-        for node in self._probation:
-            assert node.state and node.parent is not None, node
+        """The tree, its candidate sets and the two ledgers agree, and between requests nothing is
+        held or locked."""
+        super().check_invariants()
+        assert self.held_kv == 0 and self.held_states == 0, (self.held_kv, self.held_states)
+        for node in self.tree.nodes():
+            assert node.lock_count == 0 and node.state_lock == 0, f"locked while idle: {node!r}"
+        assert self.kv_tokens <= self.pools.kv_tokens and self.ssm_states <= self.pools.mamba_slots

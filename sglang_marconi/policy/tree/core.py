@@ -120,6 +120,8 @@ class TreeCore:
     # Whether a node just locked must be refreshed even if it is not listed: its ancestors' values
     # (`value_reaches_up`) or another index (the host tier's) may list it.
     _lock_refreshes_unlisted = False
+    # Whether stateless single-child nodes fold away (the paper's compressed tree; SGLang's keeps them).
+    _compressed = True
 
     def _configure(self, profile, capacity_bytes: int, eviction: EvictionPolicy | None, tree, index, *,
                    checkpoint_grid: int = 1, state_slots: int | None = None, probation: bool = False,
@@ -347,20 +349,30 @@ class TreeCore:
         """Evict one candidate: a leaf frees its KV and state; a single-child node frees its
         state and its edge is absorbed by its child."""
         assert node.slot >= 0, f"{node!r} is not an eviction candidate"
-        self._probation.forget(node)
         self._drop(node)
         if node.has_state:
-            node.has_state = False
-            self.ssm_states -= 1
+            self._forget_state(node)
         if node.children:
             self.counters.evictions_single_child += 1
             self._refresh(self.tree.merge_into_child(node))
             return
         self.counters.evictions_leaf += 1
-        self.kv_tokens -= node.end - node.parent.end
-        parent = self.tree.remove_leaf(node)
+        parent = self._remove_leaf(node)
         self._refresh(parent)
         self._compress(parent)
+
+    def _forget_state(self, node) -> None:
+        """`node` loses its state (the node stays)."""
+        self._probation.forget(node)
+        node.has_state = False
+        self.ssm_states -= 1
+
+    def _remove_leaf(self, node):
+        """Delete a leaf whole, its state and its own edge's KV; return its parent."""
+        if node.has_state:
+            self._forget_state(node)
+        self.kv_tokens -= node.end - node.parent.end
+        return self.tree.remove_leaf(node)
 
     # -- lookup ----------------------------------------------------------------------------------
     def _hit(self, path: list, partial, overlap: int, input_len: int):
@@ -539,22 +551,24 @@ class TreeCore:
     def check_invariants(self) -> None:
         """Raise AssertionError if any bookkeeping disagrees with the tree."""
         kv = states = 0
-        candidates = set()
+        listed = set()
+        indexed = self.index is not None
         for node in self.tree.nodes():
             kv += node.end - node.parent.end
             states += node.has_state
             self.tree.check_node(node)
-            if self._is_candidate(node):
-                candidates.add(node.id)
+            if indexed and self._is_candidate(node):
+                listed.add(node.id)
                 assert self.index.items[node.slot] is node, node
             else:
                 assert node.slot < 0, node
-            assert node.has_state or len(node.children) != 1 or node.lock_count, f"uncompressed {node!r}"
-        assert kv == self.kv_tokens and states == self.ssm_states
+            assert (not self._compressed or node.has_state or len(node.children) != 1
+                    or node.lock_count), f"uncompressed {node!r}"
+        assert kv == self.kv_tokens and states == self.ssm_states, (kv, self.kv_tokens, states, self.ssm_states)
         for node in self._probation:
             assert node.has_state and node.parent is not None, f"stale probationary state {node!r}"
         assert self.probation or not self._probation
-        assert candidates == {n.id for n in self.index.items}
+        assert not indexed or listed == {n.id for n in self.index.items}
         if self.state_slots is None:
             assert self.used_bytes <= self.capacity_bytes
         else:
@@ -587,13 +601,13 @@ _STAMP_STEP = 0.00001  # a match stamps the node hit's ancestors this much older
 _node_id = operator.attrgetter("id")
 
 
-class PoolTree:
-    """A configuration of `TreeCore` (`class Cache(PoolTree, TreeCore)`): SGLang's radix tree over a
+class PoolTree(TreeCore):
+    """A configuration of `TreeCore`: SGLang's radix tree over a
     serving engine's two pools, KV token slots and state slots, as its `UnifiedRadixCache` runs it.
     What it changes in the core's mechanics:
 
-    - No compression: split points, tombstoned states and stateless leaves stay as nodes
-      (`_compress` keeps them; a deleted leaf frees only its own edge); nodes are `PoolNode`s.
+    - No compression (`_compressed`): split points, tombstoned states and stateless leaves stay as
+      nodes (a deleted leaf frees only its own edge); nodes are `PoolNode`s.
     - Recency is SGLang's counter (`_tick`, advanced where SGLang advances it): two ticks per new
       node, a split restamps the node it cut, an insert stamps every node it walks
       (`_insert_state`), a match stamps the node hit and its ancestors (`_match_reused`); a
@@ -613,6 +627,8 @@ class PoolTree:
       (`_candidate_value(node, leaf)`) and the score's weight (`weight`); ties go to the smallest
       node id (`CandidateIndex.lowest`). `_record(pressure, kind, node)` is told of each eviction.
     """
+
+    _compressed = False
 
     def _configure_pools(self, profile, kv_slots: int, state_slots: int, *, probation: bool, counters) -> None:
         self._configure(profile, int(kv_slots) * int(profile.kv_bytes_per_token), None, RadixTree(1, PoolNode), None,
@@ -653,17 +669,16 @@ class PoolTree:
         """SGLang keeps stateless single-child nodes."""
 
     def _split(self, child, k: int):
-        head = self.tree.split(child, k)  # the head holds the path's KV lock, as SGLang's split copies it
+        head = super()._split(child, k)  # the head holds the path's KV lock, as SGLang's split copies it
         tick = self._tick
-        head.last_access = tick()
+        head.last_access = tick()  # a new node's two ticks; the node cut is restamped
         tick()
         child.last_access = tick()
         return head
 
     def _add_leaf(self, parent, *edge):
-        leaf = self.tree.add_leaf(parent, *edge)
-        self.kv_tokens += leaf.end - parent.end
-        leaf.last_access = self._tick()
+        leaf = super()._add_leaf(parent, *edge)
+        leaf.last_access = self._tick()  # a new node's two ticks
         self._tick()
         self._childless.pop(parent.id, None)
         self._childless[leaf.id] = leaf
@@ -677,20 +692,15 @@ class PoolTree:
         node.state_time = self._tick()
 
     def _forget_state(self, node) -> None:
-        self._probation.forget(node)
-        node.has_state = False
-        self.ssm_states -= 1
+        super()._forget_state(node)
         del self._state_recency[node.id]
 
-    def _remove_leaf(self, node) -> None:
-        """Delete a leaf whole: its state and its own edge's KV."""
-        if node.has_state:
-            self._forget_state(node)
-        self.kv_tokens -= node.end - node.parent.end
-        parent = self.tree.remove_leaf(node)
+    def _remove_leaf(self, node):
+        parent = super()._remove_leaf(node)
         del self._childless[node.id]
         if not parent.children and parent is not self.tree.root:
             self._childless[parent.id] = parent
+        return parent
 
     def _drop_state(self, node) -> None:
         """A state-pressure victim: an evictable leaf goes whole, any other node loses its state."""
@@ -855,21 +865,13 @@ class PoolTree:
 
     # -- checking --------------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Raise AssertionError if the tree, the candidate sets and the two ledgers disagree."""
-        kv = states = 0
+        """The core's checks, and the candidate sets and the two ledgers agree with the tree."""
+        super().check_invariants()
         nodes = list(self.tree.nodes())
-        for node in nodes:
-            kv += node.end - node.parent.end
-            states += node.has_state
-            self.tree.check_node(node)
-            assert node.has_state == (node.id in self._state_recency), node
-        assert kv == self.kv_tokens and states == self.ssm_states, (kv, self.kv_tokens, states, self.ssm_states)
+        assert {n.id for n in nodes if n.has_state} == set(self._state_recency)
         assert {n.id for n in nodes if not n.children} == set(self._childless)
         assert self.held_kv >= 0 and self.held_states >= 0
         assert self.kv_free >= 0 and self.state_free >= 0, (self.kv_free, self.state_free)
-        for node in self._probation:
-            assert node.has_state and node.parent is not None, f"stale probationary state {node!r}"
-        assert self.probation or not self._probation
 
 
 def _state_locked(node) -> int:

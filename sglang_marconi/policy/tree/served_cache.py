@@ -49,7 +49,7 @@ import numpy as np
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules import branch_grid
 from sglang_marconi.policy.rules import value as value_rule
-from sglang_marconi.policy.tree.core import PoolTree, TreeCore
+from sglang_marconi.policy.tree.core import PoolTree
 from sglang_marconi.policy.tree.radix_tree import PoolNode, as_token_array
 
 NO_BUFFER, EXTRA_BUFFER = "no_buffer", "extra_buffer"
@@ -147,7 +147,7 @@ class ServedEvent:
     end: int
 
 
-class ServedCache(PoolTree, TreeCore):
+class ServedCache(PoolTree):
     """See the module docstring. `choice`: "lru", an alpha (FLOP-aware) or "seglen:W"."""
 
     def __init__(self, profile, pools: ServedPools, choice=0.0, *, probation: bool = True, record: bool = False):
@@ -429,4 +429,3 @@ class ServedCache(PoolTree, TreeCore):
         assert self.held_kv == 0 and self.held_states == 0, (self.held_kv, self.held_states)
         for node in self.tree.nodes():
             assert node.lock_count == 0 and node.state_lock == 0, f"locked while idle: {node!r}"
-        assert self.kv_tokens <= self.pools.kv_tokens and self.ssm_states <= self.pools.mamba_slots

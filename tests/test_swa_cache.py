@@ -98,7 +98,7 @@ def _parent_with_short_branch(rules):
     cache.serve(seq((0, 40), (100, 120)), seq((150, 151)))
     cache.serve(seq((0, 40), (300, 303)), seq((350, 351)))  # branch at 40: a 4-token leaf
     node = cache.tree.walk(seq((0, 40))).last
-    assert node.end == 40 and cache._swa(node) > 0
+    assert node.end == 40 and node.swa > 0
     return cache, node
 
 

@@ -13,6 +13,12 @@ What differs between policies is in `WindowRules`: which SWA KV a finished reque
 (admission), which candidates eviction may pick and how it ranks them, whether a hit refreshes
 the whole matched path, and one byte budget or a static split between global and SWA bytes
 (`swa_share`). `FURIOSA`, `SGLANG` and `MARCONI` are the three rule sets the simulator runs.
+
+A configuration of `core.TreeCore` (copied edges whose nodes carry their SWA run): the core's
+splits, leaf insertion, compression, locks, leaf eviction and candidate upkeep run as they are,
+with a node's SWA KV in the role of an SSM state (what eviction can free while the node keeps its
+edge); the candidate predicate and value, the SWA ledger, admission (insert, then evict to the
+budget), the pools and the SWA-only evictions (tombstones, trims) are this module's.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import numpy as np
 from sglang_marconi.policy.rules import score
 from sglang_marconi.policy.rules import value as value_rule
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.tree.radix_tree import Node, RadixTree, as_token_array
+from sglang_marconi.policy.tree.core import TokenArrayRequests, TreeCore
+from sglang_marconi.policy.tree.radix_tree import RadixTree, as_token_array
 
 # Why a hit ended where it did. A tree node without full KV leaves the tree, so a token match is
 # always backed by full KV here: "missing global KV" shows up as a token mismatch.
@@ -41,6 +48,10 @@ class WindowRules:
     window_victims: str  # SWA-only evictions: "inner" (SGLang tombstones), "safe" (no branch's last window), "any"
     refresh_path: bool  # a hit refreshes every matched node (LRU engines) or only the nodes it reads
     stale_first: bool = False  # SWA KV beyond a node's last window is reclaimed before anything else (Furiosa)
+
+    # What the tree core reads of its eviction policy: the rules rank their own candidates
+    # (`WindowPrefixCache._choose`), with the value `WindowPrefixCache.flop_efficiency`.
+    evicts_single_child_nodes = True  # an inner node can lose its SWA KV and keep its edge
 
 
 FURIOSA = WindowRules("furiosa", keep_all=True, branch="full_kv", ranking="lru", window_victims="any",
@@ -67,35 +78,96 @@ class WindowCounters:
     windows_admitted: int = 0
 
 
-class _Candidates:
-    """Dense columns of the eviction candidates (recency, value, leaf?, SWA tokens) for numpy argmins."""
+class WindowNode:
+    """A tree node whose 'state' (`has_state`, for the core) is SWA KV: `swa` tokens at the end of
+    its edge."""
+
+    __slots__ = ("parent", "children", "tokens", "end", "swa", "needed", "last_access", "lock_count", "slot", "id")
+
+    def __init__(self, parent, tokens: np.ndarray, end: int, node_id: int):
+        self.parent = parent
+        self.children: dict = {}
+        self.tokens = tokens
+        self.end = end
+        self.swa = 0  # SWA KV tokens at the end of the edge
+        # Whether a child's window reaches into this node (Marconi's rule), None until asked again
+        # after one of its children changed (hub nodes have thousands of children).
+        self.needed = None
+        self.last_access = 0.0
+        self.lock_count = 0
+        self.slot = -1
+        self.id = node_id
+
+    @property
+    def start(self) -> int:
+        return self.end - len(self.tokens)
+
+    @property
+    def has_state(self) -> bool:
+        return self.swa > 0
+
+    def __repr__(self) -> str:
+        return f"WindowNode(id={self.id}, [{self.start},{self.end}), swa={self.swa}, children={len(self.children)})"
+
+
+class WindowTree(RadixTree):
+    """`RadixTree` of `WindowNode`s: a split leaves the SWA run at the end of the edge."""
 
     def __init__(self):
-        self.items: list[Node] = []
+        super().__init__(1)
+        self.root = WindowNode(None, np.empty(0, dtype=np.int64), 0, 0)
+        self.root.lock_count = 1
+
+    def _new_node(self, parent, tokens, end):
+        node = WindowNode(parent, tokens, end, self._next_id)
+        self._next_id += 1
+        return node
+
+    def split(self, child: WindowNode, k: int) -> WindowNode:
+        s = child.swa
+        head = super().split(child, k)
+        tail = len(child.tokens)
+        if s > tail:
+            child.swa, head.swa = tail, s - tail
+        return head
+
+    def check_node(self, node: WindowNode) -> None:
+        super().check_node(node)
+        assert 0 <= node.swa <= len(node.tokens), node
+
+
+class _Candidates:
+    """Dense columns of the eviction candidates (recency, value, leaf?, SWA tokens) for numpy
+    argmins; the core's index interface (`add`, `update`, `remove`, `items`)."""
+
+    def __init__(self):
+        self.items: list[WindowNode] = []
         self.cols = np.zeros((4, 256))
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def put(self, node: Node, row: tuple[float, float, float, float]) -> None:
-        if node.slot < 0:
-            node.slot = len(self.items)
-            if node.slot == self.cols.shape[1]:
-                self.cols = np.concatenate((self.cols, np.zeros_like(self.cols)), axis=1)
-            self.items.append(node)
-        self.cols[:, node.slot] = row
+    def add(self, node: WindowNode, last_access: float, value: float) -> int:
+        slot = len(self.items)
+        if slot == self.cols.shape[1]:
+            self.cols = np.concatenate((self.cols, np.zeros_like(self.cols)), axis=1)
+        self.items.append(node)
+        self.cols[:, slot] = (last_access, value, float(not node.children), float(node.swa))
+        return slot
 
-    def drop(self, node: Node) -> None:
-        slot, last = node.slot, len(self.items) - 1
-        if slot < 0:
-            return
+    def update(self, slot: int, last_access: float, value: float) -> None:
+        node = self.items[slot]
+        self.cols[:, slot] = (last_access, value, float(not node.children), float(node.swa))
+
+    def remove(self, slot: int):
+        """Free `slot`; the item moved into it (its slot to update), or None."""
+        last = len(self.items) - 1
+        moved = None
         if slot != last:
-            moved = self.items[last]
-            self.items[slot] = moved
+            moved = self.items[slot] = self.items[last]
             self.cols[:, slot] = self.cols[:, last]
-            moved.slot = slot
         self.items.pop()
-        node.slot = -1
+        return moved
 
 
 def pool_split(profile, kv_tokens: int, swa_tokens: int) -> tuple[int, float]:
@@ -115,7 +187,7 @@ def pool_split(profile, kv_tokens: int, swa_tokens: int) -> tuple[int, float]:
     return total, share
 
 
-class WindowPrefixCache:
+class WindowPrefixCache(TokenArrayRequests, TreeCore):
     def __init__(self, profile, capacity_bytes: int, rules: WindowRules, *, alpha: float = 0.0,
                  swa_share: float | None = None):
         if not getattr(profile, "has_sliding_window", False):
@@ -126,60 +198,55 @@ class WindowPrefixCache:
             raise MarconiError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
         if swa_share is not None and not 0 < swa_share < 1:
             raise MarconiError(f"swa_share must be in (0, 1) (the SWA pool's share of the bytes), got {swa_share!r}")
-        self.profile, self.rules, self.alpha = profile, rules, float(alpha)
+        self.rules, self.alpha = rules, float(alpha)
         self.window = int(profile.sliding_window)
         self.full_bpt, self.swa_bpt = int(profile.kv_bytes_per_token), int(profile.swa_kv_bytes_per_token)
-        self.capacity_bytes, self.swa_share = int(capacity_bytes), swa_share
+        self.swa_share = swa_share
         if swa_share is None:
             self.full_cap = self.swa_cap = None
         else:
             self.swa_cap = int(capacity_bytes * swa_share)
-            self.full_cap = self.capacity_bytes - self.swa_cap
-        if (self.swa_cap if swa_share is not None else self.capacity_bytes) < self.window * self.swa_bpt:
+            self.full_cap = int(capacity_bytes) - self.swa_cap
+        if (self.swa_cap if swa_share is not None else capacity_bytes) < self.window * self.swa_bpt:
             raise MarconiError(f"capacity {capacity_bytes} bytes (swa_share={swa_share}) holds no SWA window of "
                                f"{self.window} tokens ({self.window * self.swa_bpt} bytes on {profile.name})")
-        self.tree = RadixTree(1)
-        self.swa_len: dict[int, int] = {}  # node id -> SWA KV tokens at the end of its edge
-        self.full_tokens = 0
         self.swa_tokens = 0
-        self.clock = 0.0
-        self.counters = WindowCounters()
-        self._cand = _Candidates()
-        # node id -> whether a child's window reaches into it (Marconi's rule), recomputed only
-        # after one of its children changes (hub nodes have thousands of children)
-        self._needed_by_child: dict[int, bool] = {}
+        self._configure(profile, capacity_bytes, rules, WindowTree(), _Candidates(), counters=WindowCounters())
 
     # -- accounting ------------------------------------------------------------------------------
     @property
+    def full_tokens(self) -> int:
+        return self.kv_tokens
+
+    @property
     def used_bytes(self) -> int:
-        return self.full_tokens * self.full_bpt + self.swa_tokens * self.swa_bpt
+        return self.kv_tokens * self.full_bpt + self.swa_tokens * self.swa_bpt
 
     def _pressure(self) -> str | None:
         if self.swa_share is None:
             return "any" if self.used_bytes > self.capacity_bytes else None
-        if self.full_tokens * self.full_bpt > self.full_cap:
+        if self.kv_tokens * self.full_bpt > self.full_cap:
             return "full"
         return "swa" if self.swa_tokens * self.swa_bpt > self.swa_cap else None
 
     # -- coverage ----------------------------------------------------------------------------------
-    def _swa(self, node: Node) -> int:
-        return self.swa_len.get(node.id, 0)
-
-    def _run_at_end(self, node: Node) -> int:
+    def _run_at_end(self, node: WindowNode) -> int:
         """Contiguous SWA tokens ending at node.end (walking up while whole edges are covered)."""
         run = 0
-        while node is not self.tree.root:
-            s = self._swa(node)
+        root = self.tree.root
+        while node is not root:
+            s = node.swa
             run += s
             if s < len(node.tokens) or run >= self.window:
                 break
             node = node.parent
         return run
 
-    def _valid_in(self, node: Node, p: int, run_above: int) -> bool:
+    def _valid_in(self, node: WindowNode, p: int, run_above: int) -> bool:
         """Whether position p in (node.start, node.end] has an intact window; run_above is the
         SWA run ending at node.start."""
-        s, lo = self._swa(node), node.end - self._swa(node)
+        s = node.swa
+        lo = node.end - s
         if p <= lo:
             return False
         run = p - lo + (run_above if s == len(node.tokens) else 0)
@@ -199,7 +266,7 @@ class WindowPrefixCache:
         nodes = walk.path + ([walk.partial] if walk.partial is not None else [])
         node = nodes[-1]
         # the SWA run ending at hit: inside `node` up to `hit`, then whole edges above
-        s, lo = self._swa(node), node.end - self._swa(node)
+        s, lo = node.swa, node.end - node.swa
         run = max(0, hit - lo)
         if s == len(node.tokens) and hit > lo and run < self.window:
             run += self._run_at_end(node.parent) if node.parent is not self.tree.root else 0
@@ -214,14 +281,14 @@ class WindowPrefixCache:
         limit = len(seq) - 1
         end = min(walk.overlap, limit)
         nodes = walk.path + ([walk.partial] if walk.partial is not None else [])
-        hit, run_above, hit_node = 0, 0, None
+        hit, run_above = 0, 0
         for node in nodes:
             p = min(node.end, end)
             if p <= node.start:
                 break
             if self._valid_in(node, p, run_above):
-                hit, hit_node = p, node
-            s = self._swa(node)
+                hit = p
+            s = node.swa
             run_above = s + run_above if s == len(node.tokens) else s
         reason = "input_end" if hit == limit else "token_mismatch" if hit == walk.overlap else "broken_window"
         self._touch_hit(walk.path, nodes, hit)
@@ -238,7 +305,8 @@ class WindowPrefixCache:
                 return None
         return end if end > hit else None
 
-    def _touch_hit(self, path: list[Node], nodes: list[Node], hit: int) -> None:
+    def _touch_hit(self, path: list, nodes: list, hit: int) -> None:
+        """One clock tick for the hit; the nodes it refreshes share it."""
         self.clock += 1.0
         if self.rules.refresh_path:
             touched = path
@@ -256,12 +324,12 @@ class WindowPrefixCache:
         points = [n]
         if lookup.branch_at is not None and hit < lookup.branch_at < n:
             points.append(lookup.branch_at)
-        walk = self.tree.walk(seq)
-        node = walk.last or self.tree.root
-        if walk.partial is not None:
-            node = self._split(walk.partial, walk.partial_len)
-        if walk.overlap < n:
-            node = self._add_leaf(node, seq[walk.overlap:])
+        path, partial, partial_len, overlap = self._walk(seq, n)
+        node = path[-1] if path else self.tree.root
+        if partial is not None:
+            node = self._split(partial, partial_len)
+        if overlap < n:
+            node = self._add_leaf(node, *self._request_edge(seq, overlap, n))
         end_node = node
         ranges = [(hit, n, end_node)] if self.rules.keep_all else []
         if not self.rules.keep_all:
@@ -271,12 +339,12 @@ class WindowPrefixCache:
         for lo, _, at in ranges:
             self._cover(at, lo)
         self.counters.windows_admitted += len(ranges)
-        self._lock(end_node, +1)
+        self.lock(end_node)
         try:
-            self._make_room(locked=True)
+            self._evict_to_budget(locked=True)
         finally:
-            self._lock(end_node, -1)
-        self._make_room(locked=False)  # a request larger than the cache: its own nodes go too
+            self.unlock(end_node)
+        self._evict_to_budget(locked=False)  # a request larger than the cache: its own nodes go too
         return len(ranges)
 
     def serve(self, input_tokens, output_tokens=()) -> tuple[WindowLookup, int]:
@@ -285,16 +353,17 @@ class WindowPrefixCache:
         seq = np.concatenate((inp, np.asarray(output_tokens, dtype=np.int64)))
         return lookup, self.admit(seq, lookup)
 
-    # -- tree edits ------------------------------------------------------------------------------
-    def _cover(self, node: Node, lo: int) -> None:
+    # -- tree edits (the core's, plus the SWA run) -------------------------------------------------
+    def _cover(self, node: WindowNode, lo: int) -> None:
         """Make SWA KV present for [lo, node.end) along node and its ancestors."""
-        while node is not self.tree.root and node.end > lo:
+        root = self.tree.root
+        while node is not root and node.end > lo:
             need = min(len(node.tokens), node.end - lo)
-            s = self._swa(node)
+            s = node.swa
             if need > s:
-                self.swa_len[node.id] = need
+                node.swa = need
                 self.swa_tokens += need - s
-                self._needed_by_child.pop(node.parent.id, None)
+                node.parent.needed = None
             node.last_access = self.clock
             self._refresh(node)
             self._refresh(node.parent)
@@ -302,80 +371,29 @@ class WindowPrefixCache:
                 break
             node = node.parent
 
-    def _split(self, child: Node, k: int) -> Node:
-        s = self._swa(child)
-        self._needed_by_child.pop(child.parent.id, None)
-        head = self.tree.split(child, k)
-        tail_len = len(child.tokens)
-        self.swa_len[child.id] = min(s, tail_len)
-        if s > tail_len:
-            self.swa_len[head.id] = s - tail_len
-        self._refresh(head)
-        self._refresh(child)
+    def _split(self, child: WindowNode, k: int) -> WindowNode:
+        child.parent.needed = None  # its child is now the head
+        head = super()._split(child, k)
         self._refresh(head.parent)
         return head
 
-    def _node_at(self, seq: np.ndarray, pos: int) -> Node:
-        walk = self.tree.walk(seq[:pos])
-        assert walk.overlap == pos, "kept windows lie on the inserted path"
-        return self._split(walk.partial, walk.partial_len) if walk.partial else walk.last
+    def _add_leaf(self, parent: WindowNode, tokens: np.ndarray) -> WindowNode:
+        parent.needed = None
+        return super()._add_leaf(parent, tokens)
 
-    def _add_leaf(self, parent: Node, tokens: np.ndarray) -> Node:
-        leaf = self.tree.add_leaf(parent, tokens)
-        self._needed_by_child.pop(parent.id, None)
-        self.full_tokens += len(tokens)
-        leaf.last_access = self.clock
-        self._refresh(leaf)
-        self._refresh(parent)
-        return leaf
+    def evict(self, node: WindowNode) -> None:
+        """Evict a leaf whole: its full KV and its SWA KV."""
+        self.swa_tokens -= node.swa
+        node.swa = 0
+        node.parent.needed = None
+        super().evict(node)
 
-    def _lock(self, node: Node, delta: int) -> None:
-        while node is not self.tree.root:
-            node.lock_count += delta
-            if node.lock_count:
-                self._cand.drop(node)
-            else:
-                self._refresh(node)
-            node = node.parent
-
-    def _compress(self, node: Node) -> None:
-        # a node with no SWA KV and one child holds nothing an eviction could free: fold it away
-        if (node is not self.tree.root and node.lock_count == 0 and not self._swa(node)
-                and len(node.children) == 1):
-            self._cand.drop(node)
-            self.swa_len.pop(node.id, None)
-            self._needed_by_child.pop(node.id, None)
-            self._needed_by_child.pop(node.parent.id, None)
-            child = self.tree.merge_into_child(node)
-            self._refresh(child)
-
-    # -- eviction --------------------------------------------------------------------------------
-    def _make_room(self, locked: bool) -> None:
-        while (pool := self._pressure()) is not None:
-            victim = self._choose(pool)
-            if victim is None:
-                if locked:
-                    return  # only the request's own nodes are left: the unlocked pass takes them
-                raise AssertionError(f"over budget with no eviction candidate ({pool})")
-            self._evict(*victim)
-
-    def _evict(self, node: Node, action: str) -> None:
-        s = self._swa(node)
-        self._needed_by_child.pop(node.parent.id, None)
-        if action == LEAF:
-            self._needed_by_child.pop(node.id, None)
-            self._cand.drop(node)
-            self.swa_len.pop(node.id, None)
-            self.full_tokens -= len(node.tokens)
-            self.swa_tokens -= s
-            parent = self.tree.remove_leaf(node)
-            self.counters.evictions_leaf += 1
-            self._refresh(parent)
-            self._compress(parent)
-            return
+    def _tombstone(self, node: WindowNode, action: str) -> None:
+        """Drop `node`'s SWA KV (WINDOW) or all of it beyond one window (TRIM); its full KV stays."""
         keep = self.window if action == TRIM else 0
-        self.swa_len[node.id] = keep
-        self.swa_tokens -= s - keep
+        self.swa_tokens -= node.swa - keep
+        node.swa = keep
+        node.parent.needed = None
         if action == TRIM:
             self.counters.window_trims += 1
         else:
@@ -384,8 +402,22 @@ class WindowPrefixCache:
         self._refresh(node.parent)
         self._compress(node)
 
-    def _choose(self, pool: str) -> tuple[Node, str] | None:
-        c = self._cand
+    # -- eviction --------------------------------------------------------------------------------
+    def _evict_to_budget(self, locked: bool) -> None:
+        while (pool := self._pressure()) is not None:
+            victim = self._choose(pool)
+            if victim is None:
+                if locked:
+                    return  # only the request's own nodes are left: the unlocked pass takes them
+                raise AssertionError(f"over budget with no eviction candidate ({pool})")
+            node, action = victim
+            if action == LEAF:
+                self.evict(node)
+            else:
+                self._tombstone(node, action)
+
+    def _choose(self, pool: str) -> tuple[WindowNode, str] | None:
+        c = self.index
         n = len(c)
         if not n:
             return None
@@ -416,9 +448,14 @@ class WindowPrefixCache:
             return node, LEAF
         return node, WINDOW
 
-    def _window_victim(self, node: Node) -> bool:
+    # -- candidates (the core keeps the index current; these say what it holds) -------------------
+    def _is_candidate(self, node: WindowNode) -> bool:
+        """An unlocked leaf (evicted whole), or an unlocked inner node whose SWA KV alone may go."""
+        return not node.lock_count and node.parent is not None and (not node.children or self._window_victim(node))
+
+    def _window_victim(self, node: WindowNode) -> bool:
         """Whether eviction may drop only `node`'s SWA KV (keeping its full KV)."""
-        if not self._swa(node):
+        if not node.swa:
             return False
         mode = self.rules.window_victims
         if mode == "any":
@@ -429,45 +466,34 @@ class WindowPrefixCache:
             return True
         # Marconi: never tombstone inside the last window of a branch (SGLang #35515): a child
         # whose run of SWA reaches into this node needs this node's SWA for its own window.
-        needed = self._needed_by_child.get(node.id)
+        needed = node.needed
         if needed is None:
-            w, swa = self.window, self.swa_len
-            needed = any(len(c.tokens) < w and swa.get(c.id, 0) == len(c.tokens) for c in node.children.values())
-            self._needed_by_child[node.id] = needed
+            w = self.window
+            needed = node.needed = any(len(c.tokens) < w and c.swa == len(c.tokens) for c in node.children.values())
         return not needed
 
-    def _value(self, node: Node, leaf: bool) -> float:
-        """FLOPs saved by a hit at node.end rather than at its parent's end, per byte freed."""
+    def flop_efficiency(self, node: WindowNode) -> float:
+        """FLOPs saved by a hit at node.end rather than at its parent's end, per byte freed
+        (`rules/value.py`): a leaf frees its full KV and SWA KV, an inner node its SWA KV."""
         if self.rules.ranking != "flops":
             return 0.0
         if self._run_at_end(node) < min(self.window, node.end):
             return 0.0  # nothing can hit here: free it first
-        freed = self._swa(node) * self.swa_bpt + (len(node.tokens) * self.full_bpt if leaf else 0)
-        return value_rule.flops_saved_per_byte(self.profile.prefill_flops(node.parent.end, node.end), freed)
-
-    def _refresh(self, node: Node) -> None:
-        if node is self.tree.root or node.parent is None:
-            return
-        leaf = not node.children
-        if node.lock_count or not (leaf or self._window_victim(node)):
-            self._cand.drop(node)
-            return
-        self._cand.put(node, (node.last_access, self._value(node, leaf), float(leaf), float(self._swa(node))))
+        freed = node.swa * self.swa_bpt + (0 if node.children else len(node.tokens) * self.full_bpt)
+        return value_rule.flops_saved_per_byte(self.flops(node.parent.end, node.end), freed)
 
     # -- checking --------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if any bookkeeping disagrees with the tree or the budget."""
         full = swa = 0
         for node in self.tree.nodes():
+            self.tree.check_node(node)
             full += len(node.tokens)
-            s = self._swa(node)
-            assert 0 <= s <= len(node.tokens), node
-            swa += s
-            assert node.end == node.parent.end + len(node.tokens), node
-            assert self._swa(node) or len(node.children) != 1 or node.lock_count, f"uncompressed {node!r}"
-            if node.slot >= 0:
-                assert self._cand.items[node.slot] is node
-        assert (full, swa) == (self.full_tokens, self.swa_tokens), ((full, swa), (self.full_tokens, self.swa_tokens))
-        live = {n.id for n in self.tree.nodes()}
-        assert all(i in live for i, s in self.swa_len.items() if s), "SWA KV on a node outside the tree"
+            swa += node.swa
+            assert node.swa or len(node.children) != 1 or node.lock_count, f"uncompressed {node!r}"
+            if self._is_candidate(node):
+                assert self.index.items[node.slot] is node, node
+            else:
+                assert node.slot < 0, node
+        assert (full, swa) == (self.kv_tokens, self.swa_tokens), ((full, swa), (self.kv_tokens, self.swa_tokens))
         assert self._pressure() is None, "over budget"

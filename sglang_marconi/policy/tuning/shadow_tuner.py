@@ -94,7 +94,7 @@ Choice = float | str  # an alpha of FLOP-aware eviction, LRU, "seglen:W", "depth
 # first (recency breaks near-ties), which wins by 10-20 points on contended chat traces.
 DEFAULT_ALPHA_GRID = (0.0, 1.0, 20.0, 100.0)
 DEFAULT_SEGLEN_WEIGHTS = (1.0, 100.0)
-DEFAULT_DEPTH_EXPONENTS = (1.0,)
+DEFAULT_DEPTH_EXPONENTS = (1.0, 4.0)
 
 
 def parse_alpha_grid(text: str) -> tuple[float, ...]:

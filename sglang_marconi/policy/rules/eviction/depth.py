@@ -10,8 +10,8 @@ child; a hit refreshes only the node hit).
 
 `CalibratedDepthEviction` learns B from the record: the per-depth share of recorded sequences that
 were continued. Unless deeper sequences are continued significantly more often than first ones
-(`fitted_exponent`), B is 0 and the rule is LRU; otherwise B is the slope of log(continuation
-rate) over log(1 + depth).
+(`fitted_exponent`), B is 0 and the rule is LRU; otherwise B is the slope of the log-odds of
+being continued over log(1 + depth).
 
 Depths are read when a victim is chosen, so the choice is a function of the candidates, their
 ends and the record alone. The record is fed once per finished sequence: by the policy itself
@@ -32,7 +32,7 @@ from sglang_marconi.policy.rules.eviction.base import EvictionPolicy
 
 MIN_RECORDS = 200.0  # decayed sequences needed at depth 0 and at depths >= 1 before B can leave 0
 SIGNIFICANCE_Z = 2.0  # deeper sequences must be continued more often by this many standard errors
-MAX_EXPONENT = 4.0
+MAX_EXPONENT = 16.0
 SHRINK = 10.0  # pseudo-sequences pulling each depth's rate toward the pooled rate
 
 
@@ -63,8 +63,10 @@ def deepest_oldest(candidates, depths: np.ndarray, exponent: float):
 def fitted_exponent(recorded: np.ndarray, continued: np.ndarray) -> float:
     """B from per-depth counts of sequences recorded and continued: 0 unless depths >= 1 are
     continued more often than depth 0 by SIGNIFICANCE_Z standard errors (each side with at least
-    MIN_RECORDS); else the weighted least-squares slope of log(rate) over log(1 + depth), the
-    rates shrunk toward the pooled one, within [0, MAX_EXPONENT]."""
+    MIN_RECORDS); else the weighted least-squares slope of the log-odds of being continued over
+    log(1 + depth), the rates shrunk toward the pooled one, within [0, MAX_EXPONENT]. (Among old
+    candidates, whose remaining chance of a continuation is small, the chance scales with the
+    odds: a deeper one that is (1 + depth)^B times older is as likely to be continued.)"""
     n0, c0 = float(recorded[0]), float(continued[0])
     n1, c1 = float(recorded[1:].sum()), float(continued[1:].sum())
     if n0 < MIN_RECORDS or n1 < MIN_RECORDS:
@@ -75,8 +77,8 @@ def fitted_exponent(recorded: np.ndarray, continued: np.ndarray) -> float:
         return 0.0
     seen = recorded >= 1.0
     x = np.log1p(np.flatnonzero(seen).astype(float))
-    rate = (continued[seen] + SHRINK * pooled) / (recorded[seen] + SHRINK)
-    y, w = np.log(np.maximum(rate, 1e-6)), recorded[seen]
+    rate = np.clip((continued[seen] + SHRINK * pooled) / (recorded[seen] + SHRINK), 1e-3, 1 - 1e-3)
+    y, w = np.log(rate / (1.0 - rate)), recorded[seen]
     xm, ym = np.average(x, weights=w), np.average(y, weights=w)
     denominator = float(np.sum(w * (x - xm) ** 2))
     slope = float(np.sum(w * (x - xm) * (y - ym))) / denominator if denominator > 0 else 0.0

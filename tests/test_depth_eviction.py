@@ -201,3 +201,46 @@ def test_the_served_tuner_runs_no_depth_choice():
     config = ShadowConfig().with_depth()
     spec = TunerSpec("hybrid", ToyProfile(), 600, config, dict(served=object()))
     assert not any(str(c).startswith("depth") for c in spec.choices)
+
+
+def _conversation_workload(n=600, seed=8):
+    from sglang_marconi.sim.workload import ListWorkload, Request
+
+    rng = np.random.default_rng(seed)
+    open_, requests = {}, []
+    for i in range(n):
+        sid = int(rng.integers(30))
+        seq = open_.get(sid, PROMPT)
+        inp = turn(seq, rng, int(rng.integers(4, 12)))
+        out = rng.integers(0, 1000, 3)
+        open_[sid] = np.concatenate((inp, out)) if rng.random() < 0.7 else PROMPT
+        requests.append(Request(f"s{sid}", i, float(i), inp, out))
+    return ListWorkload("conversations", requests)
+
+
+def test_a_shadow_at_rate_one_predicts_exactly_the_full_caches_gain():
+    from sglang_marconi.sim.tuning import full_gains, shadow_predictions
+
+    toy, workload = ToyProfile(), _conversation_workload()
+    config = ShadowConfig(alpha_grid=(0.0,), seglen_weights=()).with_depth((1.0, 4.0))
+    predicted = shadow_predictions(workload, toy, 500, config)
+    full = full_gains(workload, toy, 500, config.choices)
+    assert predicted == pytest.approx(full, abs=1e-9)
+    assert any(abs(v) > 0.1 for v in full.values())  # the choices differ on this stream
+
+
+def test_with_depth_choices_the_shadows_hold_more_requests():
+    from sglang_marconi.sim.tuning import MIN_REQUESTS_HELD_DEPTH, shadow_config_for
+
+    from sglang_marconi.sim.workload import ListWorkload, Request
+
+    toy, rng = ToyProfile(), np.random.default_rng(9)
+    workload = ListWorkload("many sessions", [Request(f"s{i}", 0, float(i), rng.integers(0, 1000, 20), [1, 2])
+                                              for i in range(4000)])
+    lengths = workload.request_lengths()
+    footprint = float(lengths.sum(axis=1).mean()) * toy.kv_bytes_per_token + 2 * toy.ssm_state_bytes
+    capacity = int(4 * MIN_REQUESTS_HELD_DEPTH * footprint)  # ample: the plain floor alone would sample 1/4 or less
+    plain = shadow_config_for(workload, toy, capacity, ShadowConfig(), None, depth=False)
+    deep = shadow_config_for(workload, toy, capacity, ShadowConfig(), None)
+    assert deep.has_depth and not plain.has_depth
+    assert deep.sample_rate >= MIN_REQUESTS_HELD_DEPTH * footprint / capacity > plain.sample_rate

@@ -62,7 +62,8 @@ class RunResult:
         """(request index, choice) at each adoption: an alpha, 'lru' (SGLang's LRU, which
         `alpha_history` records as alpha 0, like FLOP-aware eviction at alpha 0) or 'seglen:W'
         (`alpha_history` records its weight W)."""
-        labels = {"lru-leaves": lambda a: "lru", "seglen": lambda a: f"seglen:{a:g}"}
+        labels = {"lru-leaves": lambda a: "lru", "seglen": lambda a: f"seglen:{a:g}", "depth": lambda a: f"depth:{a:g}",
+                  "depth-auto": lambda a: "depth:auto"}
         return [(at, labels.get(name, lambda a: f"{a:g}")(alpha))
                 for (at, alpha), (_, name) in zip(self.alpha_history, self.stats.eviction_history or [])]
 

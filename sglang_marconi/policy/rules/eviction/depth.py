@@ -110,6 +110,11 @@ class DepthEviction(EvictionPolicy):
     def current_exponent(self) -> float:
         return self.exponent
 
+    @property
+    def alpha(self) -> float:
+        """B, where choice histories record a rule's weight."""
+        return self.exponent
+
     def depths(self, candidates) -> np.ndarray:
         depth_at, node_end = self.record.depth_at, self.node_end
         return np.fromiter((depth_at(*node_end(node)) for node in candidates.items), dtype=float,

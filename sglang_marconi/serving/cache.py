@@ -118,6 +118,9 @@ def marconi_cache_class():
         def on_release(self, req, *, checkpointed):
             super().on_release(req, checkpointed=checkpointed)
             self._update_marconi_index()
+            hints = getattr(self.marconi, "hints", None)  # client cache hints (`cache_hints.py`)
+            if hints is not None and checkpointed and req.finished():
+                hints.on_release(self, req)
             runtime = self.marconi_runtime
             if runtime is not None and (checkpointed or (runtime.speculative and speculative_skip(req))):
                 # a request SGLang kept out of the tree under speculative decoding still counts

@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.rules.cache_hints import DEFAULT_HINTED_SHARE
 from sglang_marconi.policy.tuning.shadow_tuner import (
     COVERAGE, DEFAULT_ALPHA_GRID, DEFAULT_SEGLEN_WEIGHTS, OBJECTIVES, ShadowConfig, parse_alpha_grid,
     parse_seglen_weights,
@@ -39,6 +40,8 @@ class MarconiServingConfig:
     tune_sync_every: int = 32  # releases between sync points (where the leader's tuner decides)
     tune_sync_wait_s: float = 0.05  # the most a scheduler waits for the tuner at a sync point
     bootstrap_multiplier: float = 5.0  # checked, no effect: tuning has no bootstrap windows (the flag still parses)
+    hinted_share: float = DEFAULT_HINTED_SHARE  # of each pool, at most, for client-hinted entries; 0: hints unused
+    hint_horizon: int | None = None  # releases a hint's credit lasts; None: learned from the stream
     extra: dict = field(default_factory=dict)
 
     @property
@@ -141,6 +144,12 @@ def add_marconi_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds the tuner may leave a request unread before tuning stops (idle time never counts)")
     g.add_argument("--marconi-bootstrap-multiplier", default="5",
                    help="checked, no effect (tuning has no bootstrap windows)")
+    g.add_argument("--marconi-hinted-share", default=f"{DEFAULT_HINTED_SHARE:g}",
+                   help="share of each pool that entries kept for requests with a prompt_cache_key may hold "
+                        "(0 to 1; 0: the hints are accepted and not used)")
+    g.add_argument("--marconi-hint-horizon", default="auto",
+                   help="requests a prompt_cache_key's credit lasts (x4 with prompt_cache_retention 24h), or "
+                        "'auto': twice the median gap between a key's requests")
 
 
 def _on_off(flag: str, text: str) -> bool:
@@ -163,6 +172,13 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
     sync_wait_ms = _number("--marconi-tune-sync-wait-ms", ns.marconi_tune_sync_wait_ms)
     if not sync_wait_ms >= 0:
         raise _flag_error("--marconi-tune-sync-wait-ms", ns.marconi_tune_sync_wait_ms, "must be >= 0")
+    share = _number("--marconi-hinted-share", ns.marconi_hinted_share)
+    if not 0 <= share <= 1:
+        raise _flag_error("--marconi-hinted-share", ns.marconi_hinted_share, "must be between 0 and 1")
+    horizon = None if ns.marconi_hint_horizon == "auto" else _number("--marconi-hint-horizon",
+                                                                     ns.marconi_hint_horizon, int)
+    if horizon is not None and horizon < 1:
+        raise _flag_error("--marconi-hint-horizon", ns.marconi_hint_horizon, "must be 'auto' or >= 1")
     stall = _number("--marconi-tune-stall-timeout", ns.marconi_tune_stall_timeout)
     if not stall > 0:
         raise _flag_error("--marconi-tune-stall-timeout", ns.marconi_tune_stall_timeout, "must be > 0")
@@ -183,6 +199,8 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
         tune_sync_wait_s=sync_wait_ms / 1000,
         tune_timeout_s=stall,
         bootstrap_multiplier=multiplier,
+        hinted_share=share,
+        hint_horizon=horizon,
     )
     try:
         config.tuning()  # the tuner's own checks, reported against the flags

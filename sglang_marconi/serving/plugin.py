@@ -57,6 +57,7 @@ def register() -> None:
 
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, marconi_radix_cache_factory)
+    from sglang_marconi.serving.cache_hints import register_intake
     from sglang_marconi.serving.group_channel import register_hooks as register_group_channel
     from sglang_marconi.serving.metrics import register_hooks
     from sglang_marconi.serving.two_pass_prefill import install_two_pass_prefill_hook
@@ -64,6 +65,7 @@ def register() -> None:
     register_hooks()  # /server_info readback; the idle path (tuner's partial batch, gauges)
     register_group_channel()  # the leader's directives ride each iteration's requests
     install_two_pass_prefill_hook()  # end a prefill chunk at the branch (no_buffer mode)
+    register_intake()  # prompt_cache_key / prompt_cache_retention from the HTTP routes (HTTP server process)
 
 
 def served_model_profile(hf_config):
@@ -206,6 +208,9 @@ def marconi_radix_cache_factory(ctx):
 
         attach_host_tier(cache, profile)
     runtime = attach_runtime(cache, config, group=group)
+    from sglang_marconi.serving.cache_hints import attach_hints
+
+    attach_hints(cache, config)  # client cache hints (prompt_cache_key), within --marconi-hinted-share
     from sglang_marconi.serving.metrics import publishes_scheduler_metrics
 
     if publishes_scheduler_metrics():  # where SGLang publishes its own scheduler gauges

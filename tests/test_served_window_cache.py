@@ -114,7 +114,7 @@ def test_a_request_the_pools_cannot_hold_leaves_the_tree_consistent():
     cache.check_invariants()  # no lock left behind
     assert cache.serve(np.concatenate((prefix, [300, 301])), [7]).hit_tokens == 2 * W
     tuner = WindowTuner(TINY, 0, None, ShadowConfig(alpha_grid=(0.0,), sample_rate=0.5), pools=(10_000, 4 * W))
-    assert tuner.shadows[0].swa_tokens == 4 * W  # the floor: a few windows
+    assert tuner.shadows[0].swa_pool == 4 * W  # the floor: a few windows
     key = next(k for k in (f"s{i}" for i in range(100)) if session_in_sample(k, 0.5))
     tuner.observe(key, np.arange(1, 6 * W), np.arange(9, 12))
     assert tuner.last_hits == [0]

@@ -4,7 +4,7 @@ through the scheduler's calls. Engine-free.
 
 What it follows of SGLang, call for call (page size 1):
 
-- Two pools of token slots: full KV (`kv_tokens`, every global layer) and SWA KV (`swa_tokens`).
+- Two pools of token slots: full KV (`kv_pool`, every global layer) and SWA KV (`swa_pool`).
   A tree node always holds its full KV; its SWA KV is present or not (a tombstone). The request in
   flight holds what it allocated: its full KV beyond the tree-owned prefix, and its SWA KV beyond
   both that prefix and the point up to which it freed its own out-of-window SWA KV.
@@ -32,6 +32,13 @@ What it follows of SGLang, call for call (page size 1):
   `last_access_time`, Marconi's rule reads window times (a hit stamps the nodes of the window it
   reads, an insert those of the window it keeps at its end).
 
+A configuration of `core.TreeCore` (copied edges, nodes with SWA KV and two locks): the core's
+splits, leaf insertion, full-KV locks, candidate upkeep (its candidates: SGLang's evictable
+leaves), leaf deletion and eviction walk (the FULL walk: `LruLeafEviction`, fixed) run as they
+are, with SGLang's clock on new nodes and splits; the tree is never compressed. The match with
+the SWA validator, the insert with its tombstone revival, the SWA locks, the pools, the request's
+own ledger and the SWA walk (the rule's calls into `window_plan`) are this module's.
+
 `serve` returns the hit SGLang reports. `check_invariants` asserts the ledgers and the tree agree;
 `check_plan` compares the incremental plan with `window_plan.reference_plan`. The calls modeled
 are those of `tests/serving/sglang_swa_cpu.run_swa_request`; `scripts/check_sim_vs_served.py
@@ -40,63 +47,132 @@ are those of `tests/serving/sglang_swa_cpu.run_swa_request`; `scripts/check_sim_
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.rules.eviction import LruLeafEviction
 from sglang_marconi.policy.rules.window_plan import LEAF, STALE, WindowPlan
-from sglang_marconi.policy.tree.radix_tree import as_token_array
+from sglang_marconi.policy.tree.core import TokenArrayRequests, TreeCore
+from sglang_marconi.policy.tree.radix_tree import RadixTree, as_token_array
 
 SWA_EVICTION_INTERVAL = 128  # SGLANG_SWA_EVICTION_INTERVAL: decode tokens between two out-of-window frees
 _STAMP_STEP = 0.00001  # a match stamps ancestors this much older, level by level (SGLang's)
 
 
-class _Node:
-    __slots__ = ("id", "parent", "children", "key", "end", "swa", "full_lock", "swa_lock", "uuid",
-                 "last_access", "window_time", "alive")
+class ServedNode:
+    """A node of SGLang's SWA tree: full KV always, SWA KV present or not (`swa`), two lock counts
+    (`lock_count` the full KV's, `swa_lock` the SWA KV's)."""
 
-    def __init__(self, node_id: int, parent, key: np.ndarray, end: int):
-        self.id = node_id
+    __slots__ = ("parent", "children", "tokens", "key", "end", "swa", "lock_count", "swa_lock", "uuid",
+                 "last_access", "window_time", "alive", "slot", "id")
+    has_state = False  # the core's SSM state: none here (the SWA KV is this tree's own ledger)
+
+    def __init__(self, parent, tokens: np.ndarray, end: int, node_id: int):
         self.parent = parent
         self.children: dict = {}
-        self.key = key  # the edge's tokens (`window_plan` reads len(key))
+        self.tokens = self.key = tokens  # `key`: the same edge, under the name `window_plan` reads
         self.end = end
         self.swa = False  # SWA KV present for the whole edge
-        self.full_lock = 0
+        self.lock_count = 0
         self.swa_lock = 0
         self.uuid = None  # the SWA lock segment ends here (SGLang's metadata["uuid"])
         self.last_access = 0.0  # SGLang's last_access_time (the FULL LRU)
         self.window_time = 0.0  # Marconi's window time (the window rule's recency)
         self.alive = True
+        self.slot = -1  # position among the evictable leaves, -1 if not one
+        self.id = node_id
 
     @property
     def start(self) -> int:
-        return self.end - len(self.key)
+        return self.end - len(self.tokens)
 
     def __repr__(self) -> str:
         return f"Node(id={self.id}, [{self.start},{self.end}), swa={self.swa}, children={len(self.children)})"
 
 
+class ServedTree(RadixTree):
+    """`RadixTree` of `ServedNode`s; a split is `UnifiedTreeCore._split_node`'s: the new upper node
+    takes the edge's locks, SWA KV and window time, and the lock segment's boundary (it is the
+    older edge)."""
+
+    def __init__(self):
+        super().__init__(1, ServedNode)
+
+    def split(self, child: ServedNode, k: int) -> ServedNode:
+        head = super().split(child, k)
+        child.key = child.tokens
+        head.swa_lock, head.swa, head.window_time = child.swa_lock, child.swa, child.window_time
+        head.uuid, child.uuid = child.uuid, None
+        return head
+
+
 class _View:
     """What the window plan reads of this tree (`window_plan.WindowView`)."""
 
-    __slots__ = ("leaves",)
-
-    def __init__(self, leaves: set):
-        self.leaves = leaves
+    __slots__ = ()
 
     def live(self, node) -> bool:
         return node.swa and node.swa_lock == 0
 
     def evictable_leaf(self, node) -> bool:
-        return node in self.leaves
+        return node.slot >= 0
 
     def recency(self, node) -> float:
         return node.window_time
 
     def alive(self, node) -> bool:
         return node.alive
+
+
+class _EvictableLeaves:
+    """SGLang's evictable device leaves as the core's candidate index (`add`, `update`, `remove`,
+    `items`, `lowest`). A leaf entering or leaving is a change the window plan hears of
+    (`WindowView.evictable_leaf`). `lowest` is the FULL walk's order: least recently accessed,
+    ties to the older node, recency read as SGLang's walk reads it, from a heap built at the
+    walk's first step (leaves listed during the walk join it; `end_walk` drops it)."""
+
+    def __init__(self, plan: WindowPlan):
+        self.items: list[ServedNode] = []
+        self.plan = plan
+        self._heap = None
+
+    def add(self, node: ServedNode, last_access: float, value: float) -> int:
+        self.items.append(node)
+        self.plan.touched(node)
+        if self._heap is not None:
+            heapq.heappush(self._heap, (last_access, node.id, node))
+        return len(self.items) - 1
+
+    def update(self, slot: int, last_access: float, value: float) -> None:
+        pass  # the walk reads recency when it starts
+
+    def remove(self, slot: int):
+        node, last = self.items[slot], self.items.pop()
+        if node.alive:
+            self.plan.touched(node)
+        if slot == len(self.items):
+            return None
+        self.items[slot] = last
+        return last
+
+    def lowest(self, alpha: float = 0.0):
+        """The least recently accessed leaf (`alpha` 0: recency alone is SGLang's FULL order)."""
+        heap = self._heap
+        if heap is None:
+            heap = self._heap = [(node.last_access, node.id, node) for node in self.items]
+            heapq.heapify(heap)
+        while heap:
+            node = heap[0][2]
+            if node.slot >= 0:
+                return node
+            heapq.heappop(heap)
+        return None
+
+    def end_walk(self) -> None:
+        self._heap = None
 
 
 @dataclass
@@ -125,8 +201,10 @@ class _Request:
     lock: tuple | None = None  # (node, uuid) of the tree lock
 
 
-class ServedWindowCache:
+class ServedWindowCache(TokenArrayRequests, TreeCore):
     """See the module docstring. `alpha`: the FLOP weight of Marconi's window rule."""
+
+    _compressed = False  # SGLang's tree keeps stateless single-child nodes
 
     def __init__(self, profile, kv_tokens: int, swa_tokens: int, alpha: float = 0.0, *,
                  chunk_size: int | None = None, window: int | None = None):
@@ -139,53 +217,51 @@ class ServedWindowCache:
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer))
                                        or chunk_size < 1):
             raise MarconiError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
-        self.profile = profile
-        self.kv_tokens, self.swa_tokens = int(kv_tokens), int(swa_tokens)
+        self.kv_pool, self.swa_pool = int(kv_tokens), int(swa_tokens)
         self.chunk_size = chunk_size
         self.window = int(window or profile.sliding_window)
         if self.window < 1:
             raise MarconiError(f"window must be positive, got {self.window}")
         self.alpha = float(alpha)
-        self.counters = WindowCounters()
-        self._clock = 0.0
-        self._next_id = 0
-        self._uuids = 0
-        self._leaves: set = set()  # SGLang's evictable device leaves
-        self.root = self._new_node(None, np.empty(0, dtype=np.int64), 0)
-        self.tree_full = 0  # full-KV tokens the tree holds
+        tree = ServedTree()
+        self.plan = WindowPlan(self.window, _View(), profile)
+        self.plan.bind(tree.root)
+        # The FULL walk is SGLang's LRU over evictable leaves: the core's eviction walk, fixed. Its
+        # candidates (the core's predicate: unlocked leaves) are SGLang's evictable leaves: a node's
+        # SWA lock is taken and released with a full lock on it, so `swa_lock <= lock_count`.
+        self._configure(profile, self.kv_pool * int(profile.kv_bytes_per_token), LruLeafEviction(), tree,
+                        _EvictableLeaves(self.plan), fixed_choice=True, counters=WindowCounters())
+        self.clock = 2.0  # SGLang's time counter (the next value it hands out): the root took two ticks
         self.tree_swa = 0  # SWA-KV tokens the tree holds
+        self._uuids = 0
         self._req: _Request | None = None
-        self.plan = WindowPlan(self.window, _View(self._leaves), profile)
-        self.plan.bind(self.root)
         self.served = 0
 
     # -- ledgers ---------------------------------------------------------------------------------
     @property
+    def root(self) -> ServedNode:
+        return self.tree.root
+
+    @property
+    def tree_full(self) -> int:
+        """Full-KV tokens the tree holds."""
+        return self.kv_tokens
+
+    @property
     def full_free(self) -> int:
         req = self._req
         held = 0 if req is None else req.kv_len - req.protected
-        return self.kv_tokens - self.tree_full - held
+        return self.kv_pool - self.kv_tokens - held
 
     @property
     def swa_free(self) -> int:
         req = self._req
         held = 0 if req is None else max(0, req.kv_len - max(req.protected, req.evicted))
-        return self.swa_tokens - self.tree_swa - held
-
-    @property
-    def clock(self) -> float:
-        """SGLang's time counter as this model has advanced it (the next value it hands out)."""
-        return self._clock
+        return self.swa_pool - self.tree_swa - held
 
     def _tick(self) -> float:
-        self._clock += 1.0
-        return self._clock - 1.0
-
-    def _new_node(self, parent, key, end) -> _Node:
-        """UnifiedTreeNode(): the next id, and two ticks (last_access_time, then creation_time)."""
-        node, self._next_id = _Node(self._next_id, parent, key, end), self._next_id + 1
-        node.last_access, self._clock = self._clock, self._clock + 2.0
-        return node
+        self.clock += 1.0
+        return self.clock - 1.0
 
     # -- one request -----------------------------------------------------------------------------
     def serve(self, input_tokens, output_tokens) -> WindowOutcome:
@@ -285,48 +361,36 @@ class ServedWindowCache:
         if length <= 0:
             return
         target = self._insert(seq, length)
-        if req.lock is not None:
-            self._unlock(req.lock)
-        req.lock = self._lock(target)
+        # The lock moves to `target` (SGLang: dec_lock_ref, then inc_lock_ref): taken first, the
+        # path both hold is never unlocked in between, the same locks in the end.
+        held, req.lock = req.lock, self._lock(target)
+        if held is not None:
+            self._unlock(held)
         req.protected = length
         if branch_insert is not None:
             req.branch = None
             if not finished:
                 self._free_out_of_window(extend_end - 1)
 
-    # -- the tree ----------------------------------------------------------------------------------
-    @staticmethod
-    def _common(edge: np.ndarray, seq: np.ndarray, pos: int, limit: int) -> int:
-        lim = min(len(edge), limit - pos)
-        eq = edge[:lim] == seq[pos: pos + lim]
-        return lim if eq.all() else int(eq.argmin())
-
-    def _match(self, key: np.ndarray) -> tuple[_Node, int]:
+    # -- the tree (the core's edits, with SGLang's clock and the plan's hooks) --------------------
+    def _match(self, key: np.ndarray) -> tuple[ServedNode, int]:
         """UnifiedTreeCore.match_prefix with the SWA validator and Marconi's window stamp:
-        (node hit, full-KV match)."""
+        (node hit, full-KV match). The edge where the key leaves the tree is split."""
+        root = self.tree.root
         if not len(key):
-            return self.root, 0
-        node, pos, best = self.root, 0, self.root
+            return root, 0
+        path, partial, partial_len, overlap = self._walk(key, len(key))
+        if partial is not None:
+            path.append(self._split(partial, partial_len))
+        best, window = root, self.window
         run = float("inf")  # SWA run since the last tombstone on the path (the validator's state)
-        n = len(key)
-        while pos < n:
-            child = node.children.get(int(key[pos]))
-            if child is None:
-                break
-            m = self._common(child.key, key, pos, n)
-            pos += m
-            partial = m < len(child.key)
-            if partial:
-                child = self._split(child, m)
-            if child.swa:
-                run += len(child.key)
-                if run >= self.window:
-                    best = child
+        for node in path:
+            if node.swa:
+                run += len(node.tokens)
+                if run >= window:
+                    best = node
             else:
                 run = 0
-            node = child
-            if partial:
-                break
         stamp = self._tick()  # MATCH_END: the node hit and its ancestors, SGLang's recency
         cur = best
         while cur is not None:
@@ -334,62 +398,61 @@ class ServedWindowCache:
             stamp -= _STAMP_STEP
             cur = cur.parent
         self._stamp_window(best)  # the window this hit reads
-        return best, pos
+        return best, overlap
 
-    def _split(self, child: _Node, k: int) -> _Node:
+    def _split(self, child: ServedNode, k: int) -> ServedNode:
         """UnifiedTreeCore._split_node: a new node takes the first `k` tokens of `child`'s edge."""
-        parent = child.parent
-        head = self._new_node(parent, child.key[:k], child.start + k)
-        head.full_lock, head.swa_lock = child.full_lock, child.swa_lock
-        head.uuid, child.uuid = child.uuid, None  # the segment's boundary is the older edge
-        head.swa = child.swa
-        head.window_time = child.window_time
-        child.key = child.key[k:]
-        child.parent = head
-        head.children[int(child.key[0])] = child
-        parent.children[int(head.key[0])] = head
+        head = super()._split(child, k)
+        head.last_access = self.clock  # a new node: two ticks (last_access_time, then creation_time)
+        self.clock += 2.0
         child.last_access = self._tick()
         self.plan.split(head, child)
-        self._update_leaf(head)
         return head
 
-    def _insert(self, seq: np.ndarray, length: int) -> _Node:
+    def _add_leaf(self, parent: ServedNode, tokens: np.ndarray) -> ServedNode:
+        leaf = super()._add_leaf(parent, tokens)  # stamped with the clock: a new node's two ticks
+        self.clock += 2.0
+        self.plan.added(leaf)
+        return leaf
+
+    def _compress(self, node: ServedNode) -> None:
+        """SGLang's tree never merges a node into its child."""
+
+    def _insert(self, seq: np.ndarray, length: int) -> ServedNode:
         """UnifiedTreeCore insert of seq[:length] from the running request; returns the node it
         ended on."""
         req = self._req
         protected, evicted = req.protected, req.evicted
-        self.root.last_access = self._tick()  # begin_insert touches the root
-        node, pos = self.root, 0
-        while pos < length:
-            child = node.children.get(int(seq[pos]))
-            if child is None:
-                break
+        root = self.tree.root
+        root.last_access = self._tick()  # begin_insert touches the root
+        path, partial, partial_len, overlap = self._walk(seq, length)
+        if partial is not None:
+            path.append(partial)
+        node, end = root, 0
+        for child in path:
+            start = end
             child.last_access = self._tick()
-            m = self._common(child.key, seq, pos, length)
-            if m < len(child.key):
-                child = self._split(child, m)
-            if protected < pos + m and not child.swa:  # a tombstone the request still has SWA KV for
-                live = max(pos, evicted)
-                if live < pos + m:
-                    if live > pos:
-                        self._split(child, live - pos)
+            if child is partial:
+                child = self._split(child, partial_len)
+            end = child.end
+            if protected < end and not child.swa:  # a tombstone the request still has SWA KV for
+                live = max(start, evicted)
+                if live < end:
+                    if live > start:
+                        self._split(child, live - start)
                     child.swa = True
-                    self.tree_swa += len(child.key)
+                    self.tree_swa += len(child.tokens)
                     self.plan.touched(child)
-            node, pos = child, pos + m
+            node = child
+        pos = overlap
         if pos < length:  # a new leaf; its SWA KV from the request's freed point, cut to one window
-            leaf = self._new_node(node, seq[pos:length].copy(), length)
-            node.children[int(seq[pos])] = leaf
-            self.tree_full += length - pos
-            self.plan.added(leaf)
-            self._update_leaf(leaf)
-            self._update_leaf(node)
+            leaf = self._add_leaf(node, seq[pos:length].copy())
             live = max(pos, evicted)
             if live < length:
                 if live > pos:
                     self._split(leaf, live - pos)
-                if len(leaf.key) > self.window:
-                    upper = self._split(leaf, len(leaf.key) - self.window)
+                if len(leaf.tokens) > self.window:
+                    upper = self._split(leaf, len(leaf.tokens) - self.window)
                     upper.swa = True
                     self.plan.touched(upper)
                 leaf.swa = True
@@ -399,21 +462,22 @@ class ServedWindowCache:
         self._stamp_window(node)  # the window this insert keeps at its end
         return node
 
-    def _stamp_window(self, node: _Node) -> None:
+    def _stamp_window(self, node: ServedNode) -> None:
         now = self._tick()
-        covered, cur, root = 0, node, self.root
+        covered, cur, root = 0, node, self.tree.root
         while cur is not root and covered < self.window:
             cur.window_time = now
             self.plan.stamped(cur)
-            covered += len(cur.key)
+            covered += len(cur.tokens)
             cur = cur.parent
 
-    def _lock(self, node: _Node) -> tuple:
-        """inc_lock_ref: full KV of the path, SWA KV of the segment covering the window."""
-        uuid, covered, cur = None, 0, node
-        while cur is not self.root and covered < self.window:
+    def _lock(self, node: ServedNode) -> tuple:
+        """inc_lock_ref: SWA KV of the segment covering the window, full KV of the path (the
+        core's lock)."""
+        uuid, covered, cur, root = None, 0, node, self.tree.root
+        while cur is not root and covered < self.window:
             cur.swa_lock += 1
-            covered += len(cur.key)
+            covered += len(cur.tokens)
             if covered >= self.window:
                 if cur.uuid is None:
                     self._uuids += 1
@@ -422,44 +486,24 @@ class ServedWindowCache:
             if cur.swa_lock == 1:
                 self.plan.touched(cur)
             cur = cur.parent
-        cur = node
-        while cur is not self.root:
-            cur.full_lock += 1
-            cur = cur.parent
-        self._update_leaf(node)
+        self.lock(node)  # drops `node` from the evictable leaves if it was one
         return node, uuid
 
     def _unlock(self, lock: tuple) -> None:
         node, uuid = lock
-        if node is self.root:
+        root = self.tree.root
+        if node is root:
             return
+        self.unlock(node)
         cur = node
-        while cur is not self.root:
-            assert cur.full_lock > 0, cur
-            cur.full_lock -= 1
-            cur = cur.parent
-        cur = node
-        while cur is not self.root:
+        while cur is not root:
             assert cur.swa_lock > 0, cur
             cur.swa_lock -= 1
             if cur.swa_lock == 0:
                 self.plan.touched(cur)
-                self._update_leaf(cur)
             if uuid is not None and cur.uuid == uuid:
                 break
             cur = cur.parent
-        self._update_leaf(node)
-
-    def _update_leaf(self, node: _Node) -> None:
-        """SGLang's evictable device leaf: not the root, unlocked, no children."""
-        leaf = (node is not self.root and node.alive and not node.children and not node.full_lock
-                and not node.swa_lock)
-        if leaf != (node in self._leaves):
-            if leaf:
-                self._leaves.add(node)
-            else:
-                self._leaves.discard(node)
-            self.plan.touched(node)
 
     # -- eviction --------------------------------------------------------------------------------
     def _evict(self, full_short: int, swa_short: int, n: int) -> None:
@@ -472,27 +516,16 @@ class ServedWindowCache:
             self._swa_walk(swa_target, swa_short, freed_swa)
 
     def _full_walk(self, target: int) -> int:
-        """SGLang's FULL LRU over evictable leaves; returns the SWA tokens freed with them."""
-        import heapq
-
-        heap = [(n.last_access, n.id, n) for n in self._leaves]
-        heapq.heapify(heap)
-        freed_swa, last = 0, None
-        while self.full_free < target:
-            if last is not None and last.parent in self._leaves:
-                p = last.parent
-                heapq.heappush(heap, (p.last_access, p.id, p))
-            last = None
-            while heap:
-                _, _, x = heapq.heappop(heap)
-                if x in self._leaves:
-                    last = x
-                    break
-            if last is None:
-                break
-            self.counters.evictions_full_leaf += 1
-            freed_swa += self._delete_leaf(last)
-        return freed_swa
+        """SGLang's FULL LRU over evictable leaves (the core's eviction walk); returns the SWA
+        tokens freed with them."""
+        c = self.counters
+        swa_before, leaves_before = self.tree_swa, c.evictions_leaf
+        while self.full_free < target and self._evict_one():
+            pass
+        self.index.end_walk()
+        c.evictions_full_leaf += c.evictions_leaf - leaves_before  # the core counts every leaf it deletes
+        c.evictions_leaf = leaves_before
+        return swa_before - self.tree_swa
 
     def _swa_walk(self, target: int, quota: int, freed: int) -> None:
         """Marconi's SWA walk (`MarconiSWAComponent._evict_device_next_node`): one tombstone or
@@ -514,11 +547,14 @@ class ServedWindowCache:
                 if node is None:
                     return
                 c.evictions_fallback += 1
-                freed += self._delete_leaf(node) if node in self._leaves else self._tombstone(node)
+                if node.slot >= 0:
+                    freed += self._delete_leaf(node)
+                    c.evictions_leaf -= 1  # counted as the fallback's
+                else:
+                    freed += self._tombstone(node)
                 continue
             kind, nodes = victim
             if kind == LEAF:
-                c.evictions_leaf += 1
                 freed += self._delete_leaf(nodes[0])
                 continue
             if kind == STALE:
@@ -529,55 +565,44 @@ class ServedWindowCache:
                 raise AssertionError(f"the window plan repeats a victim it cannot evict: {victim}")
             pending, unusable = list(nodes), nodes
 
-    def _fallback_victim(self) -> _Node | None:
+    def _fallback_victim(self) -> ServedNode | None:
         """SGLang's LRU step, approximated: the least recently accessed live unlocked SWA KV."""
-        live = [node for node in self._nodes() if node.swa and not node.swa_lock]
+        live = [node for node in self.tree.nodes() if node.swa and not node.swa_lock]
         return min(live, key=lambda node: (node.last_access, node.id), default=None)
 
-    def _tombstone(self, node: _Node) -> int:
+    def _tombstone(self, node: ServedNode) -> int:
         node.swa = False
-        k = len(node.key)
+        k = len(node.tokens)
         self.tree_swa -= k
         self.plan.touched(node)
         return k
 
-    def _delete_leaf(self, node: _Node) -> int:
-        """Delete an evictable leaf whole (full and SWA KV); returns the SWA tokens freed."""
-        k = len(node.key)
-        freed_swa = k if node.swa else 0
-        self.tree_full -= k
-        self.tree_swa -= freed_swa
-        parent = node.parent
-        del parent.children[int(node.key[0])]
+    def _delete_leaf(self, node: ServedNode) -> int:
+        """Delete an evictable leaf whole (`evict`); returns the SWA tokens freed."""
+        before = self.tree_swa
+        self.evict(node)
+        return before - self.tree_swa
+
+    def evict(self, node: ServedNode) -> None:
+        """Delete an evictable leaf whole: its full KV and its SWA KV (the core counts it)."""
+        if node.swa:
+            node.swa = False
+            self.tree_swa -= len(node.tokens)
         node.alive = False
-        self._leaves.discard(node)
-        self.plan.removed(node)
-        self._update_leaf(parent)
-        return freed_swa
+        self.plan.removed(node)  # while it still names its parent
+        super().evict(node)
 
     # -- reading ---------------------------------------------------------------------------------
-    def _nodes(self):
-        """Every node below the root, level by level."""
-        level = list(self.root.children.values())
-        while level:
-            yield from level
-            level = [child for node in level for child in node.children.values()]
-
     def peek_hit(self, input_tokens) -> int:
         """The hit `serve` would report for this input, changing nothing."""
         key = as_token_array(input_tokens)[: max(0, len(input_tokens) - 1)]
-        node, pos, hit, run = self.root, 0, 0, float("inf")
-        while pos < len(key):
-            child = node.children.get(int(key[pos]))
-            if child is None:
-                break
-            m = self._common(child.key, key, pos, len(key))
-            run = run + m if child.swa else 0
-            if child.swa and run >= self.window:
-                hit = pos + m
-            if m < len(child.key):
-                break
-            node, pos = child, pos + m
+        path, partial, partial_len, _ = self._walk(key, len(key))
+        hit, run, window = 0, float("inf"), self.window
+        for node in path + ([partial] if partial is not None else []):
+            m = partial_len if node is partial else len(node.tokens)
+            run = run + m if node.swa else 0
+            if node.swa and run >= window:
+                hit = node.start + m
         return hit
 
     def check_plan(self) -> None:
@@ -585,14 +610,12 @@ class ServedWindowCache:
         self.plan.check(self.alpha)
 
     def check_invariants(self) -> None:
-        full = swa = 0
-        for node in self._nodes():
-            full += len(node.key)
-            swa += len(node.key) if node.swa else 0
-            assert len(node.key) > 0 and node.end == node.parent.end + len(node.key), node
-            for key, child in node.children.items():
-                assert child.parent is node and int(child.key[0]) == key, (node, child)
-            assert node.full_lock == 0 and node.swa_lock == 0 or self._req is not None, f"locked while idle: {node!r}"
-            assert (node in self._leaves) == (not node.children and not node.full_lock and not node.swa_lock), node
-        assert (full, swa) == (self.tree_full, self.tree_swa), ((full, swa), (self.tree_full, self.tree_swa))
+        """The core's checks (ledger, candidates), and the SWA ledger, the locks and the pools."""
+        super().check_invariants()
+        swa = 0
+        for node in self.tree.nodes():
+            swa += len(node.tokens) if node.swa else 0
+            assert node.lock_count == 0 and node.swa_lock == 0 or self._req is not None, f"locked while idle: {node!r}"
+            assert node.swa_lock <= node.lock_count, node
+        assert swa == self.tree_swa, (swa, self.tree_swa)
         assert 0 <= self.full_free and 0 <= self.swa_free, (self.full_free, self.swa_free)

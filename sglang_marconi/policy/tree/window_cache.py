@@ -114,14 +114,7 @@ class WindowTree(RadixTree):
     """`RadixTree` of `WindowNode`s: a split leaves the SWA run at the end of the edge."""
 
     def __init__(self):
-        super().__init__(1)
-        self.root = WindowNode(None, np.empty(0, dtype=np.int64), 0, 0)
-        self.root.lock_count = 1
-
-    def _new_node(self, parent, tokens, end):
-        node = WindowNode(parent, tokens, end, self._next_id)
-        self._next_id += 1
-        return node
+        super().__init__(1, WindowNode)
 
     def split(self, child: WindowNode, k: int) -> WindowNode:
         s = child.swa

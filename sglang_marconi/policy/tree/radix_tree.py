@@ -106,21 +106,20 @@ class RadixTree:
     def page_aligned(self, n: int) -> int:
         return n - n % self.page_size
 
-    def _common_prefix(self, edge: np.ndarray, seq: np.ndarray, pos: int) -> int:
-        lim = min(len(edge), len(seq) - pos)
-        eq = edge[:lim] == seq[pos : pos + lim]
-        k = lim if eq.all() else int(eq.argmin())
-        return self.page_aligned(k)
-
     # -- queries --------------------------------------------------------------------------------
     def walk(self, seq: np.ndarray) -> Walk:
-        node, pos, n, path = self.root, 0, self.page_aligned(len(seq)), []
-        while pos < n:
-            child = node.children.get(self._key(seq, pos))
+        page = self.page_size
+        node, pos, n, path = self.root, 0, len(seq) - len(seq) % page, []
+        while pos < n:  # `_key` and `_common_prefix`, inline: the hot path of every lookup
+            child = node.children.get(int(seq[pos]) if page == 1 else seq[pos : pos + page].tobytes())
             if child is None:
                 break
-            k = self._common_prefix(child.tokens, seq[:n], pos)
-            if k < len(child.tokens):
+            edge = child.tokens
+            lim = min(len(edge), n - pos)
+            eq = edge[:lim] == seq[pos : pos + lim]
+            k = lim if eq.all() else int(eq.argmin())
+            k -= k % page
+            if k < len(edge):
                 return Walk(path, child, k, pos + k)  # k >= 1 page: the key matched
             path.append(child)
             node, pos = child, pos + k

@@ -144,3 +144,27 @@ def test_the_simulator_runs_the_served_swa_policy_from_its_flags(capsys):
     assert main(["--workload", "synthetic:lmsys:sessions=2,scale=0.1", "--model", "gpt-oss-20b",
                  "--kv-tokens", "4000", "--swa-tokens", "1500", "--policies", "furiosa", "--no-progress"]) == 2
     assert "served SWA cache" in capsys.readouterr().err
+
+
+def test_the_tree_keeps_split_points_and_tombstones_as_sglang_does():
+    """The tree core configured as SGLang's tree (`core.PoolTree`): no compression. A split point
+    whose branch is evicted stays a node, and a single-child node that loses its state under state
+    pressure keeps its KV and stays too (the paper's compressed tree would fold both into their
+    child); the candidate sets stay exact throughout."""
+    c = model(kv=1000, slots=8, probation=False)
+    first = np.arange(1, 301)
+    second = np.concatenate((np.arange(1, 201), np.arange(5000, 5100)))
+    c._insert_state(first, probationary=False)
+    c._insert_state(second, probationary=False)  # splits the first edge at 200
+    split_point, branch = c._whole_edges(second)
+    assert (split_point.end, split_point.has_state, len(split_point.children)) == (200, False, 2)
+    c._free_up(kv=1)  # the least recently used leaf: the first request's tail
+    assert c._whole_edges(first) == [split_point] and c.kv_tokens == 300
+    assert [n.end for n in c.tree.nodes()] == [200, 300]  # the stateless single-child node stays
+    c._insert_state(np.arange(1, 201), probationary=False)  # a state at the split point
+    c.lock_reused(branch)  # a running request holds the branch's state: the split point's goes
+    c._free_up(states=1)
+    assert not split_point.has_state and c.ssm_states == 1 and c.counters.evictions_single_child == 1
+    c.unlock_reused(branch)
+    assert [n.end for n in c.tree.nodes()] == [200, 300] and c.kv_tokens == 300  # tombstoned, kept
+    c.check_invariants()

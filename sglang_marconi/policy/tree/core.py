@@ -18,6 +18,10 @@ snapshots and the invariant check. A cache is a configuration of it, filling a f
 - the budgets: one byte budget (`capacity_bytes` for KV and states), or `state_slots` (KV bytes
   and a state count, as a serving engine's two pools). A host tier (`tiered_cache`) overrides
   candidate upkeep, eviction, compression and the request flow where a second tier changes them.
+- SGLang's tree over a serving engine's two pools (`PoolTree`, below; `served_cache.ServedCache`):
+  no compression, SGLang's recency counter, a lock on the reused state beside the path's, running
+  requests' holdings in the pools, candidates kept as sets and ranked at the choice, eviction
+  walked under one pressure at a time.
 - `fixed_choice`: the eviction policy and its weight never change for the cache's life (the
   tuner's shadows): the weight is read once, victims are asked of the index directly, and the
   candidate index's value column is computed only where the choice ranks by it (alpha > 0). A

@@ -3,7 +3,11 @@
 
 `HybridPrefixCache` is Marconi as the paper states it (one byte budget, a compressed tree, every
 admission at a request's end). The server differs in ways that change which prefixes stay
-reusable under eviction, so this model follows SGLang's own mechanics, call for call:
+reusable under eviction, so this model follows SGLang's own mechanics, call for call. It is a
+configuration of the tree core: `core.PoolTree` (a `TreeCore`) holds the tree's mechanics (the
+uncompressed tree, SGLang's recency counter, the two locks, the candidate sets and the eviction
+walk under each pressure); this module brings the pools, the running request's flow (chunks, the
+two Mamba strategies' tracking and admission, probation) and the value candidates are ranked by.
 
 - Two pools: KV token slots (`kv_tokens`) and Mamba state slots (`mamba_slots`), each evicted
   under its own pressure. The request in flight holds what it allocated: its new KV (prefill
@@ -34,7 +38,7 @@ reusable under eviction, so this model follows SGLang's own mechanics, call for 
 
 `serve` returns the hit SGLang reports (`req.prefix_len` after the match). `ServedPools.scaled`
 shrinks the pools for a tuner's sampled shadows. `check_invariants` asserts the two ledgers and the
-tree agree. The scheduler's calls modeled are those of `tests/serving/sglang_cpu.py` (one match per
+tree agree, and that between requests nothing is held or locked. The scheduler's calls modeled are those of `tests/serving/sglang_cpu.py` (one match per
 request, page size 1); `scripts/check_sim_vs_served.py` compares the two request by request.
 """
 

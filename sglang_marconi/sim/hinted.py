@@ -114,7 +114,8 @@ def _holds_state(node) -> bool:
 def cache_clock(cache) -> float:
     """The cache's recency clock (SGLang's counter in the served-cache model)."""
     clock = getattr(cache, "clock", None)
-    return cache._clock if clock is None else clock
+    # a model that keeps SGLang's counter to itself: its last match stamped the root with it
+    return cache.root.last_access if clock is None else clock
 
 
 class HintedPolicy:

@@ -606,9 +606,9 @@ _node_id = operator.attrgetter("id")
 
 
 class PoolTree(TreeCore):
-    """A configuration of `TreeCore`: SGLang's radix tree over a
-    serving engine's two pools, KV token slots and state slots, as its `UnifiedRadixCache` runs it.
-    What it changes in the core's mechanics:
+    """A configuration of `TreeCore`: SGLang's radix tree over a serving engine's two pools, KV
+    token slots and state slots, as its `UnifiedRadixCache` runs it. What it changes in the core's
+    mechanics:
 
     - No compression (`_compressed`): split points, tombstoned states and stateless leaves stay as
       nodes (a deleted leaf frees only its own edge); nodes are `PoolNode`s.

@@ -25,12 +25,15 @@ from sglang_marconi.sim.workload import Workload
 COST_BUDGET = 1.0
 MIN_SESSIONS = 400
 MIN_REQUESTS_HELD = 100
-# With the depth-aware choices: their gain comes from continuations that arrive hundreds of requests
-# later, near the cache's horizon, and a session sample estimates that tail with a bias that grows
-# as the shadows shrink (Mooncake, paper-7b at 400 GB, depth:1 over LRU: the full cache +1.62 points;
-# shadows at rate 0.216 -0.27 to +1.48 over five samples, mean +0.51; at 0.5 +0.10 to +1.90, mean
-# +1.05). The shadows then hold at least this many average requests.
-MIN_REQUESTS_HELD_DEPTH = 400
+# With the depth-aware choices the shadows hold at least this many average requests. Their gain comes
+# from continuations that arrive hundreds of requests later, near the cache's horizon, and a session
+# sample estimates that tail with a bias that grows as the shadows shrink (Mooncake, paper-7b at
+# 400 GB, depth:1 over LRU: the full cache +1.62 points; shadows at rate 0.216 -0.27 to +1.48 over
+# five samples, mean +0.51; at 0.5 +0.10 to +1.90, mean +1.05; at 0.865 +1.44). Below rate 1 a
+# proposal also waits for the verifier, which on that trace confirms the depth rule too late to pay
+# (nemotron-h-8b at 200 GB: adopted at request 10,361 of 12,031, 1% of the LRU-to-bound gap closed;
+# at rate 1, 10%), so on conversation traces this floor means rate 1.
+MIN_REQUESTS_HELD_DEPTH = 1000
 
 
 def auto_sample_rate(workload: Workload, profile, capacity_bytes: int, n_choices: int, depth: bool = False) -> float:

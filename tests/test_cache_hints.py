@@ -320,3 +320,25 @@ def test_trace_hints_are_read_checked_and_saved(tmp_path):
     bad.write_text(json.dumps({**lines[0], "prompt_cache_retention": "forever"}) + "\n")
     with pytest.raises(TraceError, match=r"bad.jsonl:1: prompt_cache_retention 'forever'"):
         load_trace(bad)
+
+
+def test_the_simulator_cli_applies_a_trace_s_hints(tmp_path):
+    from sglang_marconi.sim.baselines.no_cache import NoCache
+    from sglang_marconi.sim.cli import build_parser, run
+    from sglang_marconi.sim.hinted import with_trace_hints
+    from sglang_marconi.sim.traces import save_trace
+
+    assert isinstance(with_trace_hints(NoCache()), NoCache)  # no model of that cache: left as it is
+    assert with_trace_hints(sglang_plus(PROFILE, 600)).name == "sglang+"
+
+    def hit_rate(workload, name):
+        path = save_trace(workload, tmp_path / f"{name}.jsonl")
+        args = build_parser().parse_args(["--trace", str(path), "--model", "paper-7b", "--capacity", "0.4GB",
+                                          "--policies", "sglang+"])
+        (result,) = run(args)
+        return result.token_hit_rate
+
+    keyed = _conversations(sessions=12, turns=6, keyed=True, vocab=32_000)
+    unkeyed = _conversations(sessions=12, turns=6, keyed=False, vocab=32_000)
+    plain = hit_rate(unkeyed, "unkeyed")
+    assert hit_rate(keyed, "keyed") > plain

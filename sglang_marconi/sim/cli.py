@@ -235,10 +235,13 @@ def run(args: argparse.Namespace) -> list[RunResult]:
                     runs[-1].per_request.update(policy.request_records())
                 continue
             for host in host_capacities if has_host_tier(policy_name) and served is None else [0]:
-                policy = build_policy(policy_name, profile, capacity, alpha=args.alpha, block_size=args.block_size,
-                                      swa_share=args.swa_share, served=served, sync_every=args.tune_sync_every,
-                                      checkpoint_grid=args.checkpoint_grid, tuning=config,
-                                      probation=args.probation, host_capacity=host, host_alpha=args.host_alpha)
+                from sglang_marconi.sim.hinted import with_trace_hints
+
+                policy = with_trace_hints(build_policy(  # the trace's cache hints (`sim/hinted.py`), if any
+                    policy_name, profile, capacity, alpha=args.alpha, block_size=args.block_size,
+                    swa_share=args.swa_share, served=served, sync_every=args.tune_sync_every,
+                    checkpoint_grid=args.checkpoint_grid, tuning=config,
+                    probation=args.probation, host_capacity=host, host_alpha=args.host_alpha))
                 runs.append(replay(workload, policy, profile, capacity, **replay_args))
                 if hasattr(policy, "request_records"):  # SWA policies: hit-end reasons per request
                     runs[-1].per_request.update(policy.request_records())

@@ -185,3 +185,15 @@ class SessionKeyed(Workload):
 
 def with_session_keys(workload: Workload, retention: str = IN_MEMORY, *, last_turn: bool = True) -> Workload:
     return SessionKeyed(workload, retention, last_turn)
+
+
+def with_trace_hints(policy, *, share: float = DEFAULT_HINTED_SHARE):
+    """`policy` applying the hints its requests carry, where the rule has a model of its cache (the
+    hybrid tree, the served cache); else `policy` itself. Keeps the policy's name: a workload
+    without hints replays exactly as through `policy`."""
+    cache = getattr(policy, "cache", None)
+    if type(cache).__name__ not in ("HybridPrefixCache", "ServedCache"):
+        return policy
+    hinted = HintedPolicy(policy, share=share)
+    hinted.name = policy.name
+    return hinted

@@ -311,12 +311,6 @@ class ServedHints:
     def _has_state(cache, node) -> bool:
         return node.component_data[cache.marconi.index._mamba_type].value is not None
 
-    def figures(self) -> dict:
-        c = self.ledger.counters
-        return {"hint_credits": len(self.ledger), "hint_granted": c.granted, "hint_refused": c.refused,
-                "hint_kept_anyway": c.kept_anyway, "hint_expired": c.expired, "hint_replaced": c.replaced,
-                **({"hint_error": self.broken} if self.broken else {})}
-
 
 def attach_hints(cache, config) -> ServedHints | None:
     """Give a Marconi-built cache its hint ledger, unless `--marconi-hinted-share 0`."""

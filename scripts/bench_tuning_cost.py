@@ -68,7 +68,7 @@ def timed(run) -> tuple[float, float, object]:
 def cell(name: str, capacity_gb: float, repeat: int) -> dict:
     workload, profile = load(name), load_profile("paper-7b")
     cap = int(capacity_gb * 1e9)
-    config = shadow_config_for(workload, profile, cap, ShadowConfig(), None)
+    config = shadow_config_for(workload, profile, cap, ShadowConfig(), None, depth=False)  # the reference's choices
 
     def fixed(choice):
         return replay(workload, HybridRadixPolicy("fixed", profile, cap, eviction_for(choice)), profile, cap,
@@ -77,7 +77,7 @@ def cell(name: str, capacity_gb: float, repeat: int) -> dict:
     def tuned(old: bool):
         policy = build_policy("marconi", profile, cap, tuning=config)
         if old:
-            policy.tuner = ReferenceTuner(reference.ShadowTuner(profile, cap, reference.ShadowConfig(**config.__dict__)))
+            policy.tuner = ReferenceTuner(reference.ShadowTuner(profile, cap, reference.ShadowConfig(**{k: v for k, v in config.__dict__.items() if k in reference.ShadowConfig.__dataclass_fields__})))
         run = replay(workload, policy, profile, cap, progress=False)
         tuner = policy.tuner.tuner if old else policy.tuner
         ev = tuner.evidence

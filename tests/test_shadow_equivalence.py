@@ -98,7 +98,7 @@ def run_both(profile, capacity, config, stream, check_every=50, sampled_only_aft
     """`sampled_only_after`: from that request on, pass only sampled requests and count the others
     (as the server's background tuner does): the verifier steps aside mid-stream."""
     new = shadow_tuner.ShadowTuner(profile, capacity, config, **kwargs)
-    ref = reference.ShadowTuner(profile, capacity, reference.ShadowConfig(**config.__dict__), **kwargs)
+    ref = reference.ShadowTuner(profile, capacity, reference.ShadowConfig(**{k: v for k, v in config.__dict__.items() if k in reference.ShadowConfig.__dataclass_fields__}), **kwargs)
     for i, (sid, inp, out) in enumerate(stream):
         if sampled_only_after is not None and i >= sampled_only_after and not session_in_sample(sid, config.sample_rate):
             new.log.requests += 1

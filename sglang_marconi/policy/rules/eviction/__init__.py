@@ -7,4 +7,5 @@ from sglang_marconi.policy.rules.eviction.flop_aware import FlopAwareEviction
 from sglang_marconi.policy.rules.eviction.lru_leaves import LruLeafEviction
 from sglang_marconi.policy.rules.eviction.seglen import SegLenEviction
 
-__all__ = ["CalibratedDepthEviction", "CoverageEviction", "DepthEviction", "EvictionPolicy", "FlopAwareEviction", "LruLeafEviction", "SegLenEviction"]
+__all__ = ["CalibratedDepthEviction", "CoverageEviction", "DepthEviction", "EvictionPolicy", "FlopAwareEviction",
+           "LruLeafEviction", "SegLenEviction"]

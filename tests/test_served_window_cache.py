@@ -120,3 +120,19 @@ def test_a_request_the_pools_cannot_hold_leaves_the_tree_consistent():
     assert tuner.last_hits == [0]
     cache = tuner.shadows[0]
     cache.check_invariants()
+
+
+def test_the_full_walk_deletes_the_least_recently_used_leaf_first():
+    """Under full-KV pressure (SWA pool ample) the core's eviction walk runs SGLang's FULL LRU: the
+    evictable leaf least recently accessed goes first, its parent next once it is a leaf, and the
+    deletions count as the FULL walk's, not the SWA walk's."""
+    cache = ServedWindowCache(TINY, 50, 10_000, alpha=1.0)
+    a, b = np.arange(1, 21), np.arange(101, 121)
+    cache.serve(a, [7])
+    cache.serve(b, [7])
+    cache.serve(np.concatenate((a, np.arange(201, 206))), [7])  # A again: B is now the oldest
+    cache.serve(np.arange(301, 321), [7])  # 20 new tokens into 5 free slots
+    assert cache.peek_hit(np.concatenate((a, [9]))) == 20 and cache.peek_hit(np.concatenate((b, [9]))) == 0
+    c = cache.counters
+    assert (c.evictions_full_leaf, c.evictions_leaf) == (2, 0), c  # B's two nodes, by the FULL walk
+    cache.check_invariants()

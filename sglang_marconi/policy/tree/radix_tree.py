@@ -107,9 +107,11 @@ class RadixTree:
         return n - n % self.page_size
 
     # -- queries --------------------------------------------------------------------------------
-    def walk(self, seq: np.ndarray) -> Walk:
+    def walk(self, seq: np.ndarray, below: Node | None = None) -> Walk:
+        """Where `seq` leaves the tree, walked from the root, or from `below` (a node whose path
+        is seq[:below.end]; `path` then holds the nodes under it)."""
         page = self.page_size
-        node, pos, n, path = self.root, 0, len(seq) - len(seq) % page, []
+        node, pos, n, path = below or self.root, below.end if below else 0, len(seq) - len(seq) % page, []
         while pos < n:  # `_key` and `_common_prefix`, inline: the hot path of every lookup
             child = node.children.get(int(seq[pos]) if page == 1 else seq[pos : pos + page].tobytes())
             if child is None:

@@ -56,41 +56,29 @@ from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules.eviction import LruLeafEviction
 from sglang_marconi.policy.rules.window_plan import LEAF, STALE, WindowPlan
 from sglang_marconi.policy.tree.core import TokenArrayRequests, TreeCore
-from sglang_marconi.policy.tree.radix_tree import RadixTree, as_token_array
+from sglang_marconi.policy.tree.radix_tree import Node, RadixTree, as_token_array
 
 SWA_EVICTION_INTERVAL = 128  # SGLANG_SWA_EVICTION_INTERVAL: decode tokens between two out-of-window frees
 _STAMP_STEP = 0.00001  # a match stamps ancestors this much older, level by level (SGLang's)
 
 
-class ServedNode:
+class ServedNode(Node):
     """A node of SGLang's SWA tree: full KV always, SWA KV present or not (`swa`), two lock counts
-    (`lock_count` the full KV's, `swa_lock` the SWA KV's)."""
+    (`lock_count` the full KV's, `swa_lock` the SWA KV's). No SSM state (`has_state` stays False)."""
 
-    __slots__ = ("parent", "children", "tokens", "key", "end", "swa", "lock_count", "swa_lock", "uuid",
-                 "last_access", "window_time", "alive", "slot", "id")
-    has_state = False  # the core's SSM state: none here (the SWA KV is this tree's own ledger)
+    __slots__ = ("key", "swa", "swa_lock", "uuid", "window_time", "alive")
 
     def __init__(self, parent, tokens: np.ndarray, end: int, node_id: int):
-        self.parent = parent
-        self.children: dict = {}
-        self.tokens = self.key = tokens  # `key`: the same edge, under the name `window_plan` reads
-        self.end = end
+        super().__init__(parent, tokens, end, node_id)
+        self.key = tokens  # the edge again, under the name `window_plan` reads (kept in step by splits)
         self.swa = False  # SWA KV present for the whole edge
-        self.lock_count = 0
         self.swa_lock = 0
         self.uuid = None  # the SWA lock segment ends here (SGLang's metadata["uuid"])
-        self.last_access = 0.0  # SGLang's last_access_time (the FULL LRU)
-        self.window_time = 0.0  # Marconi's window time (the window rule's recency)
+        self.window_time = 0.0  # Marconi's window time (the window rule's recency); last_access is SGLang's
         self.alive = True
-        self.slot = -1  # position among the evictable leaves, -1 if not one
-        self.id = node_id
-
-    @property
-    def start(self) -> int:
-        return self.end - len(self.tokens)
 
     def __repr__(self) -> str:
-        return f"Node(id={self.id}, [{self.start},{self.end}), swa={self.swa}, children={len(self.children)})"
+        return f"ServedNode(id={self.id}, [{self.start},{self.end}), swa={self.swa}, children={len(self.children)})"
 
 
 class ServedTree(RadixTree):
@@ -425,7 +413,18 @@ class ServedWindowCache(TokenArrayRequests, TreeCore):
         protected, evicted = req.protected, req.evicted
         root = self.tree.root
         root.last_access = self._tick()  # begin_insert touches the root
-        path, partial, partial_len, overlap = self._walk(seq, length)
+        # The path to the node the request holds is seq[:protected] (locked, so whole): stamped
+        # like the rest, compared no more.
+        held = req.lock[0]
+        assert held.end == protected <= length, (held, protected, length)
+        walk = self.tree.walk(seq[:length], held)
+        path = []
+        while held is not root:
+            path.append(held)
+            held = held.parent
+        path.reverse()
+        path += walk.path
+        partial, partial_len, overlap = walk.partial, walk.partial_len, walk.overlap
         if partial is not None:
             path.append(partial)
         node, end = root, 0

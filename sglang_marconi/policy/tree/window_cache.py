@@ -31,7 +31,7 @@ from sglang_marconi.policy.rules import score
 from sglang_marconi.policy.rules import value as value_rule
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.tree.core import TokenArrayRequests, TreeCore
-from sglang_marconi.policy.tree.radix_tree import RadixTree, as_token_array
+from sglang_marconi.policy.tree.radix_tree import Node, RadixTree, as_token_array
 
 # Why a hit ended where it did. A tree node without full KV leaves the tree, so a token match is
 # always backed by full KV here: "missing global KV" shows up as a token mismatch.
@@ -78,33 +78,18 @@ class WindowCounters:
     windows_admitted: int = 0
 
 
-class WindowNode:
-    """A tree node whose 'state' (`has_state`, for the core) is SWA KV: `swa` tokens at the end of
-    its edge."""
+class WindowNode(Node):
+    """A tree node whose SWA KV is `swa` tokens at the end of its edge; its `has_state` (the core's
+    state: what eviction can free while the node keeps its edge) is whether it holds any."""
 
-    __slots__ = ("parent", "children", "tokens", "end", "swa", "needed", "last_access", "lock_count", "slot", "id")
+    __slots__ = ("swa", "needed")
 
     def __init__(self, parent, tokens: np.ndarray, end: int, node_id: int):
-        self.parent = parent
-        self.children: dict = {}
-        self.tokens = tokens
-        self.end = end
-        self.swa = 0  # SWA KV tokens at the end of the edge
+        super().__init__(parent, tokens, end, node_id)
+        self.swa = 0
         # Whether a child's window reaches into this node (Marconi's rule), None until asked again
         # after one of its children changed (hub nodes have thousands of children).
         self.needed = None
-        self.last_access = 0.0
-        self.lock_count = 0
-        self.slot = -1
-        self.id = node_id
-
-    @property
-    def start(self) -> int:
-        return self.end - len(self.tokens)
-
-    @property
-    def has_state(self) -> bool:
-        return self.swa > 0
 
     def __repr__(self) -> str:
         return f"WindowNode(id={self.id}, [{self.start},{self.end}), swa={self.swa}, children={len(self.children)})"
@@ -122,11 +107,12 @@ class WindowTree(RadixTree):
         tail = len(child.tokens)
         if s > tail:
             child.swa, head.swa = tail, s - tail
+            head.has_state = True
         return head
 
     def check_node(self, node: WindowNode) -> None:
         super().check_node(node)
-        assert 0 <= node.swa <= len(node.tokens), node
+        assert 0 <= node.swa <= len(node.tokens) and node.has_state == (node.swa > 0), node
 
 
 class _Candidates:
@@ -354,6 +340,9 @@ class WindowPrefixCache(TokenArrayRequests, TreeCore):
             need = min(len(node.tokens), node.end - lo)
             s = node.swa
             if need > s:
+                if not s:
+                    node.has_state = True
+                    self.ssm_states += 1
                 node.swa = need
                 self.swa_tokens += need - s
                 node.parent.needed = None
@@ -367,6 +356,7 @@ class WindowPrefixCache(TokenArrayRequests, TreeCore):
     def _split(self, child: WindowNode, k: int) -> WindowNode:
         child.parent.needed = None  # its child is now the head
         head = super()._split(child, k)
+        self.ssm_states += head.has_state  # the SWA run may now span both
         self._refresh(head.parent)
         return head
 
@@ -375,7 +365,7 @@ class WindowPrefixCache(TokenArrayRequests, TreeCore):
         return super()._add_leaf(parent, tokens)
 
     def evict(self, node: WindowNode) -> None:
-        """Evict a leaf whole: its full KV and its SWA KV."""
+        """Evict a leaf whole: its full KV and its SWA KV (the core drops its state)."""
         self.swa_tokens -= node.swa
         node.swa = 0
         node.parent.needed = None
@@ -391,6 +381,7 @@ class WindowPrefixCache(TokenArrayRequests, TreeCore):
             self.counters.window_trims += 1
         else:
             self.counters.evictions_window += 1
+            self._forget_state(node)
         self._refresh(node)
         self._refresh(node.parent)
         self._compress(node)
@@ -477,16 +468,8 @@ class WindowPrefixCache(TokenArrayRequests, TreeCore):
 
     # -- checking --------------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Raise AssertionError if any bookkeeping disagrees with the tree or the budget."""
-        full = swa = 0
-        for node in self.tree.nodes():
-            self.tree.check_node(node)
-            full += len(node.tokens)
-            swa += node.swa
-            assert node.swa or len(node.children) != 1 or node.lock_count, f"uncompressed {node!r}"
-            if self._is_candidate(node):
-                assert self.index.items[node.slot] is node, node
-            else:
-                assert node.slot < 0, node
-        assert (full, swa) == (self.kv_tokens, self.swa_tokens), ((full, swa), (self.kv_tokens, self.swa_tokens))
+        """The core's checks (ledgers, candidates, compression), the SWA ledger and the budget."""
+        super().check_invariants()
+        swa = sum(node.swa for node in self.tree.nodes())
+        assert swa == self.swa_tokens, (swa, self.swa_tokens)
         assert self._pressure() is None, "over budget"

@@ -3,7 +3,7 @@
 Components, as in SGLang's unified cache: full KV (every global attention layer, per token: the
 tree's tokens themselves, so a node without it leaves the tree) and SWA KV (every SWA layer, per
 token, read again only for the `window` tokens before a reuse point). A node keeps its SWA KV as a
-suffix of its edge (`swa_len`): what any reuse point can need is a run of SWA KV ending there.
+suffix of its edge (`WindowNode.swa`): what any reuse point can need is a run of SWA KV ending there.
 
 A prefix of length p is reusable iff its tokens match, full KV holds all p of them, and SWA KV
 covers [max(0, p - window), p) contiguously. `verify_hit` checks exactly that, independently of

@@ -94,8 +94,8 @@ class DepthEviction(EvictionPolicy):
                  shared_record: bool = False, node_end=core_node_end):
         """`record`: the record of finished sequences (a new one if None); `shared_record`: someone
         else feeds it (this policy only reads it). `node_end(node)`: (end, last token) of a node
-        of the tree this policy ranks (the policy core's by default; the served index passes
-        SGLang's)."""
+        of the tree this policy ranks (the policy core's nodes by default; another tree's nodes
+        need their own)."""
         self.exponent = check_exponent(exponent)
         self.record = record if record is not None else ContinuationRecord()
         self.feeds_record = not shared_record

@@ -517,13 +517,10 @@ class ServedWindowCache(TokenArrayRequests, TreeCore):
     def _full_walk(self, target: int) -> int:
         """SGLang's FULL LRU over evictable leaves (the core's eviction walk); returns the SWA
         tokens freed with them."""
-        c = self.counters
-        swa_before, leaves_before = self.tree_swa, c.evictions_leaf
+        swa_before = self.tree_swa
         while self.full_free < target and self._evict_one():
-            pass
+            self.counters.evictions_full_leaf += 1
         self.index.end_walk()
-        c.evictions_full_leaf += c.evictions_leaf - leaves_before  # the core counts every leaf it deletes
-        c.evictions_leaf = leaves_before
         return swa_before - self.tree_swa
 
     def _swa_walk(self, target: int, quota: int, freed: int) -> None:
@@ -546,14 +543,11 @@ class ServedWindowCache(TokenArrayRequests, TreeCore):
                 if node is None:
                     return
                 c.evictions_fallback += 1
-                if node.slot >= 0:
-                    freed += self._delete_leaf(node)
-                    c.evictions_leaf -= 1  # counted as the fallback's
-                else:
-                    freed += self._tombstone(node)
+                freed += self._delete_leaf(node) if node.slot >= 0 else self._tombstone(node)
                 continue
             kind, nodes = victim
             if kind == LEAF:
+                c.evictions_leaf += 1
                 freed += self._delete_leaf(nodes[0])
                 continue
             if kind == STALE:
@@ -583,13 +577,15 @@ class ServedWindowCache(TokenArrayRequests, TreeCore):
         return before - self.tree_swa
 
     def evict(self, node: ServedNode) -> None:
-        """Delete an evictable leaf whole: its full KV and its SWA KV (the core counts it)."""
+        """Delete an evictable leaf whole, its full KV (the core's `_remove_leaf`) and its SWA KV;
+        each walk counts its own deletions. Never a merge: SGLang's tree keeps its nodes."""
         if node.swa:
             node.swa = False
             self.tree_swa -= len(node.tokens)
         node.alive = False
         self.plan.removed(node)  # while it still names its parent
-        super().evict(node)
+        self._drop(node)
+        self._refresh(self._remove_leaf(node))
 
     # -- reading ---------------------------------------------------------------------------------
     def peek_hit(self, input_tokens) -> int:

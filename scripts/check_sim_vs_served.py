@@ -3,7 +3,8 @@
     python scripts/check_sim_vs_served.py --workload synthetic:lmsys[:key=value,...] | --trace FILE
         --model PROFILE --kv-tokens N (--mamba-slots M | --kind sliding-window --swa-tokens S)
         [--mamba-radix-cache-strategy no_buffer|extra_buffer] [--chunked-prefill-size N]
-        [--alpha A|lru|auto] [--probation on|off] [--shadows] [--limit N] [--json OUT]
+        [--alpha A|lru|auto] [--probation on|off] [--shadows] [--session-keys in-memory|24h]
+        [--limit N] [--json OUT]
 
 Replays one trace (any format the simulator reads, token ids where it has them) twice:
 
@@ -24,6 +25,13 @@ It prints the share of requests whose hit tokens agree, each side's total hit to
 disagreement with its cause (the states each cache held on that request's path, and the evictions
 that removed the one the other kept); exit status 0 when >= 99% of requests hit identically and
 the totals agree within 0.5%, 1 otherwise.
+
+Client cache hints (`prompt_cache_key` / `prompt_cache_retention`): requests that carry them (a
+trace's fields, or `--session-keys RETENTION`: each request keyed by its session, as a client
+naming its conversation does) carry them on both sides: served, in SGLang's `kv_hints` envelope on
+the scheduler's `Req`, to the ledger the plugin attaches (`serving/cache_hints.py`, the default
+`--marconi-hinted-share`); simulated, through `sim/hinted.py`'s `HintedPolicy`. The hint rule is
+then part of what must agree request by request.
 
 `--shadows` (a fixed `--alpha`, sample rate 1): a `ShadowTuner` built as the runtime builds it,
 given what the live cache was given (`runtime.served_pools`), fed every request; the shadow of the
@@ -48,6 +56,7 @@ are in tokens and slots.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -113,6 +122,10 @@ class Report:
                f"{100 * self.served_hits / max(1, self.input_tokens):.2f}%)"]
         if c["alpha"] == "auto":
             out.append(f"choices adopted (request, choice): served {c['served_choices']}, simulated {c['sim_choices']}")
+        if c.get("hints"):
+            out.append(f"cache hints (granted / kept anyway / refused / replaced / expired): "
+                       + "; ".join(f"{side} " + " / ".join(str(v) for v in counts.values())
+                                   for side, counts in c["hints"].items()))
         if self.first is None:
             out.append("no disagreement")
         else:
@@ -174,7 +187,8 @@ def _cause(index: int, served: Side, sim: Side) -> str:
 def run(requests, profile_name: str, kv_tokens: int, mamba_slots: int, strategy: str = "no_buffer",
         chunk: int | None = None, alpha="auto", probation: bool = True, shadows: bool = False,
         workload_name: str = "?", sync_every: int = 32) -> Report:
-    """Replay `requests` through SGLang's cache and the simulator's model of it; the report."""
+    """Replay `requests` through SGLang's cache and the simulator's model of it; the report.
+    Requests that carry cache hints carry them on both sides."""
     warnings.filterwarnings("ignore")
     import sglang_cpu  # noqa: F401 (SGLang's Python tree core, set before SGLang loads)
 
@@ -220,6 +234,11 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
     cc, runtime = build_marconi_serving(config, profile=profile, kv_size=kv_tokens, mamba_size=mamba_slots,
                                         max_num_reqs=2, max_context_len=max(4096, 2 * longest),
                                         extra_buffer=strategy == "extra_buffer", chunked_prefill_size=chunk)
+    hinted = any(r.prompt_cache_key is not None for r in requests)
+    if hinted:  # what the plugin attaches to the cache it builds
+        from sglang_marconi.serving.cache_hints import attach_hints
+
+        attach_hints(cc.cache, config)
     if choice == LRU:
         runtime.settings.choice = LRU
     pools = served_pools(cc.cache, config)
@@ -237,6 +256,11 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
     policy = build_policy(name, profile, 0, served=pools, probation=probation, sync_every=sync_every,
                           tuning=config.tuning() if tuned else None)
     policy.cache.events = []
+    serving = policy
+    if hinted:
+        from sglang_marconi.sim.hinted import HintedPolicy
+
+        serving = HintedPolicy(policy, share=config.hinted_share, horizon=config.hint_horizon)
     tuner = None
     if shadows:
         tuner = ShadowTuner(profile, 1, config.tuning(), probation=probation, served=pools)
@@ -248,14 +272,15 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
         clock["request"] = i
         served.paths.append(_served_path(cc, r.input_tokens))
         sim.paths.append(policy.cache.states_on_path(r.input_tokens[: r.input_len - 1]))
-        _, hit = run_request(cc, r.input_tokens.tolist(), r.output_len, chunk_size=chunk,
-                             out_tokens=r.output_tokens.tolist(), chunk_end=chunk_end_for_branch, decode_at_once=True,
-                             session_id=r.session_id)
+        with _carrying_hint(r):
+            _, hit = run_request(cc, r.input_tokens.tolist(), r.output_len, chunk_size=chunk,
+                                 out_tokens=r.output_tokens.tolist(), chunk_end=chunk_end_for_branch,
+                                 decode_at_once=True, session_id=r.session_id)
         served.hits.append(hit)
         if runtime.settings.choice != adopted:
             adopted = runtime.settings.choice
             served.choices.append((i + 1, choice_label(adopted)))
-        sim.hits.append(policy.serve(r).hit_tokens)
+        sim.hits.append(serving.serve(r).hit_tokens)
         if tuner is not None:
             out = r.output_tokens
             tuner.observe(r.session_id, r.input_tokens, out[:-1])
@@ -263,6 +288,10 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
     wall = time.perf_counter() - started
     runtime.close()
     cc.check_no_leak()
+    hints = None
+    if hinted:
+        served_ledger = cc.cache.marconi.hints.ledger
+        hints = {"served": asdict(served_ledger.counters), "simulated": asdict(serving.ledger.counters)}
     sim.victims = [(e.request, e.pressure, e.kind, e.start, e.end) for e in policy.cache.events]
     sim.choices = [(at, choice_label(c)) for at, c in policy.history[1:]]
     a, b = np.array(served.hits), np.array(sim.hits)
@@ -281,9 +310,38 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
     return Report(
         config={"workload": workload_name, "model": profile_name, "kv_tokens": kv_tokens, "mamba_slots": mamba_slots,
                 "strategy": strategy, "chunk": chunk, "alpha": alpha, "probation": probation,
-                "served_choices": served.choices, "sim_choices": sim.choices},
+                "served_choices": served.choices, "sim_choices": sim.choices, "hints": hints},
         requests=len(requests), agree=int((a == b).sum()), served_hits=int(a.sum()), sim_hits=int(b.sum()),
         input_tokens=int(sum(r.input_len for r in requests)), first=first, wall_s=wall, shadow=shadow)
+
+
+@contextlib.contextmanager
+def _carrying_hint(request):
+    """While SGLang's `Req` for `request` is made: with the request's cache hint in its `kv_hints`
+    envelope, as the server's intake puts it there (`serving/cache_hints.py`)."""
+    from sglang_marconi.policy.rules.cache_hints import parse_hint
+
+    hint = parse_hint(request.prompt_cache_key, request.prompt_cache_retention)
+    if hint is None:
+        yield
+        return
+    import sglang_cpu
+    from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+
+    from sglang_marconi.serving.cache_hints import with_hint_action
+
+    make_request = sglang_cpu.make_request
+
+    def hinted_request(tokens, n_out):
+        req = make_request(tokens, n_out)
+        req.kv_hints = decode_kv_hints_envelope(with_hint_action(None, hint))
+        return req
+
+    sglang_cpu.make_request = hinted_request
+    try:
+        yield
+    finally:
+        sglang_cpu.make_request = make_request
 
 
 def run_swa(requests, profile_name: str, kv_tokens: int, swa_tokens: int, chunk: int | None = None, alpha="auto",
@@ -394,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probation", default="on", choices=("on", "off"), help="--kind ssm: probationary states")
     p.add_argument("--tune-sync-every", type=int, default=32)
     p.add_argument("--shadows", action="store_true", help="also check the tuner's shadow of the live choice")
+    p.add_argument("--session-keys", choices=("in-memory", "24h"),
+                   help="key each request by its session (prompt_cache_key) with this retention")
     p.add_argument("--limit", type=int, help="the first N requests only")
     p.add_argument("--json", help="write the report here")
     return p
@@ -410,6 +470,12 @@ def main(argv=None) -> int:
     from sglang_marconi.sim.traces import load_workload
 
     workload = load_workload(args.trace or args.workload, args.mooncake_tokens)
+    if args.session_keys:
+        if swa:
+            parser.error("--session-keys: the hint rule has no model of the SWA cache (--kind ssm)")
+        from sglang_marconi.sim.hinted import with_session_keys
+
+        workload = with_session_keys(workload, args.session_keys)
     requests = list(workload)[: args.limit] if args.limit else list(workload)
     alpha = args.alpha if args.alpha in ("auto", "lru") else float(args.alpha)
     name = args.trace or args.workload

@@ -132,7 +132,7 @@ def test_the_simulator_runs_the_served_swa_policy_from_its_flags(capsys):
 
     profile = load_profile("gpt-oss-20b")
     policy = served_marconi_swa(profile, 4000, 1500, alpha=1.0)
-    assert (policy.cache.kv_tokens, policy.cache.swa_tokens) == (4000, 1500)
+    assert (policy.cache.kv_pool, policy.cache.swa_pool) == (4000, 1500)
     # as served: the last decoded token is not kept (a continuation hits what SGLang's cache holds)
     request = next(iter(generate("lmsys", sessions=1, scale=0.1, seed=1)))
     first = policy.serve(request)

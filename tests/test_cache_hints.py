@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -342,3 +344,25 @@ def test_the_simulator_cli_applies_a_trace_s_hints(tmp_path):
     unkeyed = _conversations(sessions=12, turns=6, keyed=False, vocab=32_000)
     plain = hit_rate(unkeyed, "unkeyed")
     assert hit_rate(keyed, "keyed") > plain
+
+
+def test_server_info_reports_the_credits_granted_refused_lapsed_moved_and_charged():
+    from types import SimpleNamespace
+
+    from sglang_marconi.serving.metrics import hint_figures
+
+    adapter, ledger = _ledger(horizon=4, kv=40, states=10)  # the share: 20 KV, 5 states
+    before = dataclasses.asdict(ledger.counters)  # (what opening the gate counted)
+    _release(adapter, ledger, 1, "a", "a-end", kv=15, states=1)  # granted
+    _release(adapter, ledger, 2, "b", "b-end", kv=15, states=1)  # refused: 30 > 20
+    _release(adapter, ledger, 3, "a", "a-next", kv=5, states=1)  # moved to a's next turn, granted
+    _release(adapter, ledger, 4, "c", "c-end", kv=5, states=1)  # granted
+    for clock in (5, 6, 7):  # a's second credit lapses (four releases after its grant); c's is in force
+        _release(adapter, ledger, clock)
+    cache = SimpleNamespace(marconi=SimpleNamespace(hints=SimpleNamespace(ledger=ledger, broken=None)))
+    assert hint_figures(cache) == {
+        "marconi_hint_credits_granted": before["granted"] + 3, "marconi_hint_credits_refused": before["refused"] + 1,
+        "marconi_hint_credits_lapsed": before["expired"] + 1, "marconi_hint_credits_moved": before["replaced"] + 1,
+        "marconi_hint_credits_in_force": 1,
+        "marconi_hinted_kv_tokens": 5, "marconi_hinted_states": 1, "marconi_hints_stopped": None}
+    assert hint_figures(SimpleNamespace(marconi=SimpleNamespace(hints=None))) == {}  # --marconi-hinted-share 0

@@ -214,9 +214,23 @@ def add_marconi_state(result, controller, *args, **kwargs):
     return result
 
 
+def hint_figures(cache) -> dict:
+    """Client cache hints (`cache_hints.py`) in `/server_info`: credits granted, refused (no room
+    in the share), lapsed (aged out), moved (the key's next turn), in force, and what those in force
+    are charged (KV tokens, states). Empty where hints are off (`--marconi-hinted-share 0`)."""
+    hints = getattr(getattr(cache, "marconi", None), "hints", None)
+    if hints is None:
+        return {}
+    ledger, counters = hints.ledger, hints.ledger.counters
+    return {"marconi_hint_credits_granted": counters.granted, "marconi_hint_credits_refused": counters.refused,
+            "marconi_hint_credits_lapsed": counters.expired, "marconi_hint_credits_moved": counters.replaced,
+            "marconi_hint_credits_in_force": len(ledger), "marconi_hinted_kv_tokens": ledger.kv_charged,
+            "marconi_hinted_states": ledger.states_charged, "marconi_hints_stopped": hints.broken}
+
+
 def _marconi_figures(runtime, cache) -> dict:
     try:
-        return runtime.metrics(cache)
+        return {**runtime.metrics(cache), **hint_figures(cache)}
     except Exception as exc:  # tried again at the next readback (on demand: its cost is the caller's)
         faults = runtime.faults
         faults.rank_local(SERVER_INFO, "the /server_info readback", exc, stops=False)

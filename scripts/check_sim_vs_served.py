@@ -225,10 +225,12 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
     from sglang_marconi.sim.policies import build_policy
 
     tuned = alpha == "auto"
-    choice = None if tuned else (LRU if alpha == LRU else float(alpha))
-    if shadows and tuned:
+    depth = str(alpha).startswith("depth:")  # the depth rule, fixed (`--marconi-eviction depth:B|depth:auto`)
+    choice = None if tuned else (alpha if alpha == LRU or depth else float(alpha))
+    if shadows and (tuned or depth):
         raise SystemExit("--shadows compares the shadow of a fixed choice with the live cache: give --alpha A or lru")
-    config = MarconiServingConfig(alpha=None if tuned else (0.0 if choice == LRU else choice), probation=probation,
+    config = MarconiServingConfig(alpha=None if tuned else (0.0 if choice == LRU or depth else choice),
+                                  eviction=alpha if depth else "marconi", probation=probation,
                                   tune_workers=0, tune_sync_every=sync_every)
     longest = max(r.input_len + r.output_len for r in requests)
     cc, runtime = build_marconi_serving(config, profile=profile, kv_size=kv_tokens, mamba_size=mamba_slots,
@@ -252,9 +254,14 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
         served.victims.append((clock["request"], victim.pressure, victim.kind, end - len(victim.node.key), end))
 
     runtime.settings.observer = observe
-    name = "marconi" if tuned else ("sglang+" if choice == LRU else f"marconi:{choice:g}")
-    policy = build_policy(name, profile, 0, served=pools, probation=probation, sync_every=sync_every,
-                          tuning=config.tuning() if tuned else None)
+    if depth:  # the served-cache model under the same rule
+        from sglang_marconi.sim.baselines.served import ServedPolicy
+
+        policy = ServedPolicy(alpha, profile, pools, alpha, probation=probation)
+    else:
+        name = "marconi" if tuned else ("sglang+" if choice == LRU else f"marconi:{choice:g}")
+        policy = build_policy(name, profile, 0, served=pools, probation=probation, sync_every=sync_every,
+                              tuning=config.tuning() if tuned else None)
     policy.cache.events = []
     serving = policy
     if hinted:
@@ -448,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=None, help="prefill chunk (default: one extend)")
     p.add_argument("--kind", default="ssm", choices=("ssm", "sliding-window"))
     p.add_argument("--swa-tokens", type=int, help="the SWA KV pool, in token slots (--kind sliding-window)")
-    p.add_argument("--alpha", default="auto", help="A (fixed alpha), lru (SGLang's LRU), or auto (tuned online)")
+    p.add_argument("--alpha", default="auto", help="A (fixed alpha), lru (SGLang's LRU), auto (tuned online), "
+                                                  "or depth:B / depth:auto (the depth rule, fixed: --marconi-eviction)")
     p.add_argument("--probation", default="on", choices=("on", "off"), help="--kind ssm: probationary states")
     p.add_argument("--tune-sync-every", type=int, default=32)
     p.add_argument("--shadows", action="store_true", help="also check the tuner's shadow of the live choice")
@@ -477,7 +485,7 @@ def main(argv=None) -> int:
 
         workload = with_session_keys(workload, args.session_keys)
     requests = list(workload)[: args.limit] if args.limit else list(workload)
-    alpha = args.alpha if args.alpha in ("auto", "lru") else float(args.alpha)
+    alpha = args.alpha if args.alpha in ("auto", "lru") or args.alpha.startswith("depth:") else float(args.alpha)
     name = args.trace or args.workload
     if swa:
         report = run_swa(requests, args.model, args.kv_tokens, args.swa_tokens, args.chunked_prefill_size, alpha,

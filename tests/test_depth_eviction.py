@@ -244,3 +244,86 @@ def test_with_depth_choices_the_shadows_hold_more_requests():
     deep = shadow_config_for(workload, toy, capacity, ShadowConfig(), None)
     assert deep.has_depth and not plain.has_depth
     assert deep.sample_rate >= MIN_REQUESTS_HELD_DEPTH * footprint / capacity > plain.sample_rate
+
+
+# -- the served cache's model and the served flags -------------------------------------------------
+
+def _served(choice, strategy="no_buffer", kv=400, slots=6):
+    from sglang_marconi.policy.tree.served_cache import ServedCache, ServedPools
+
+    return ServedCache(ToyProfile(), ServedPools(kv, slots, strategy, snapshot_step=4, decode_snapshot_step=8), choice)
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer"])
+def test_the_served_model_records_what_its_last_insert_kept(strategy):
+    cache = _served("depth:1", strategy)
+    rng = np.random.default_rng(3)
+    first = turn(PROMPT, rng, 150)  # two of the record's 64-token blocks and more
+    out = rng.integers(0, 1000, 7)
+    cache.serve(first, out)
+    kept = np.concatenate((first, out[:-1]))
+    ends = sorted(end for end, _ in cache.continuation._by_end)
+    final = max(node.end for node in cache.tree.nodes() if node.has_state)
+    assert ends == [final]  # the end of the state the release inserted
+    if strategy == "no_buffer":
+        assert final == len(kept)
+    else:  # extra_buffer: the insert is cut at the last tracked state
+        assert final < len(kept)
+    second = turn(kept, rng, 40)  # its last tracked state lies past the first's
+    cache.serve(second, rng.integers(0, 1000, 20))
+    assert max(cache.continuation._by_end.values()) == 1  # the next turn extends the first
+
+
+def test_the_served_model_keeps_its_record_across_a_switch_of_rule():
+    cache = _served("depth:4")
+    record = cache.continuation
+    cache.set_choice(1.0)
+    assert cache.kind == "flops" and cache.depth_rule is None and cache.continuation is record
+    cache.set_choice("depth:auto")
+    assert cache.depth_rule.record is record and cache.kind == "depth"
+    assert _served(0.0).continuation is None  # no depth choice yet: nothing recorded
+
+
+def test_the_served_model_at_b_zero_is_lru_over_the_same_candidates_and_depth_changes_it():
+    """depth:0 evicts as alpha 0 does (recency over the same candidates, under both pressures),
+    request by request; depth:4 on the same conversations keeps deep ends and hits more."""
+    from sglang_marconi.policy.tree.served_cache import ServedPools
+    from sglang_marconi.sim.baselines.served import ServedPolicy
+
+    requests = list(_conversation_workload(n=400))
+    pools = ServedPools(300, 6, snapshot_step=4, decode_snapshot_step=8)
+    policies = {c: ServedPolicy(str(c), ToyProfile(), pools, c) for c in (0.0, "depth:0", "depth:4")}
+    hits = {c: np.array([p.serve(r).hit_tokens for r in requests]) for c, p in policies.items()}
+    c = policies["depth:4"].cache.counters
+    assert c.evictions_leaf > 0 and c.evictions_single_child + c.evictions_probationary > 0
+    assert np.array_equal(hits["depth:0"], hits[0.0])
+    assert hits["depth:4"].sum() > hits[0.0].sum()
+    for p in policies.values():
+        p.cache.check_invariants()
+
+
+def test_the_served_flag_fixes_the_depth_rule():
+    import argparse
+
+    from sglang_marconi.serving.config import MarconiServingConfig, add_marconi_args, config_from_args
+    from sglang_marconi.serving.eviction_settings import MarconiEvictionSettings
+
+    parser = argparse.ArgumentParser()
+    add_marconi_args(parser)
+    for value in ("depth:2", "depth:auto"):
+        config = config_from_args(parser.parse_args(["--marconi-eviction", value]))
+        assert config.fixed_choice == value
+        assert MarconiServingConfig.from_env({"SGLANG_MARCONI_CONFIG": config.to_env()}).fixed_choice == value
+    for bad in ("depth:x", "depth:99", "depth", "belady"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--marconi-eviction", bad])
+    settings = MarconiEvictionSettings(ToyProfile(), choice="depth:2")
+    assert (settings.kind, settings.weight, settings.value_kind, settings.label) == ("depth", 0.0, "seglen", "depth:2")
+    record = settings.continuation
+    settings.finished(np.arange(40), 0)  # a request whose insert kept nothing
+    settings.finished(np.arange(40), 33)
+    assert record.finished == 1 and record.depth_at(33, 32) == 0 and (33, 32) in record._by_end
+    settings.choice = 0.0
+    assert settings.depth_rule is None and settings.value_kind == "flops"
+    settings.choice = "depth:auto"
+    assert settings.depth_rule.record is record

@@ -136,6 +136,9 @@ def admission_mixin():
             state.probationary_insert = False
             if is_finished:
                 cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+                # what the insert keeps is the finished sequence the depth rule's record holds
+                self._primary("admission (finished sequence recorded)", self.marconi.settings.finished,
+                              req.full_untruncated_fill_ids[:token_ids_len], min(token_ids_len, cache_len or 0))
                 if cache_len:
                     counters.final_states_admitted += 1
                 else:

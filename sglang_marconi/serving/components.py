@@ -138,7 +138,7 @@ def _component_classes():
             second fault is unrecoverable (`_GONE`: this walk goes on as upstream's)."""
             index = self.marconi.index
             try:
-                index.use_value_column(self.marconi.settings.value_kind)
+                index.use_rule(self.marconi.settings.value_kind, self.marconi.settings.depth_rule)
                 return pick(index)
             except Exception as exc:
                 if not self._index_fault(where, exc):

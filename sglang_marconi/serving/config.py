@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules.cache_hints import DEFAULT_HINTED_SHARE
+from sglang_marconi.policy.rules.eviction.depth import MAX_EXPONENT, depth_rule_of
 from sglang_marconi.policy.tuning.shadow_tuner import (
-    COVERAGE, DEFAULT_ALPHA_GRID, DEFAULT_SEGLEN_WEIGHTS, OBJECTIVES, ShadowConfig, parse_alpha_grid,
+    DEFAULT_ALPHA_GRID, DEFAULT_SEGLEN_WEIGHTS, OBJECTIVES, ShadowConfig, parse_alpha_grid,
     parse_seglen_weights,
 )
 
@@ -47,8 +48,8 @@ class MarconiServingConfig:
     @property
     def fixed_choice(self):
         """The eviction choice to serve, or None when it is tuned online."""
-        if self.eviction == "coverage":
-            return COVERAGE
+        if self.eviction != "marconi":  # COVERAGE, or a depth choice ("depth:B", "depth:auto")
+            return self.eviction
         return self.alpha
 
     def tuning(self) -> ShadowConfig:
@@ -113,12 +114,27 @@ def _number(flag: str, text: str, kind=float):
         raise _flag_error(flag, text, f"expected {'an integer' if kind is int else 'a number'}") from None
 
 
+def _eviction(text: str) -> str:
+    if text in EVICTIONS:
+        return text
+    try:
+        if depth_rule_of(text, None) is not None:
+            return text
+    except MarconiError:
+        pass
+    # argparse prints it in one line, after the flag's name
+    raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(EVICTIONS)}, depth:B (0 <= B <= "
+                                     f"{MAX_EXPONENT:g}) or depth:auto")
+
+
 def add_marconi_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("Marconi prefix caching")
     g.add_argument("--marconi-alpha", default="auto", help="FLOP-aware eviction weight, or 'auto' to tune online")
-    g.add_argument("--marconi-eviction", default="marconi", choices=EVICTIONS,
+    g.add_argument("--marconi-eviction", default="marconi", type=_eviction,
                    help="marconi: FLOP-aware eviction (--marconi-alpha); coverage: SGLang PR #38000's rule (the "
-                        "state covering the fewest positions first), fixed, with Marconi's admission")
+                        "state covering the fewest positions first), fixed, with Marconi's admission; depth:B or "
+                        "depth:auto: the oldest candidate relative to its conversation depth, age / (1 + depth)^B "
+                        "(B learned with auto), fixed, with Marconi's admission")
     g.add_argument("--marconi-alpha-grid", default=",".join(f"{a:g}" for a in DEFAULT_ALPHA_GRID),
                    help="alphas the tuner's shadow caches run beside SGLang's LRU (START:STOP:STEP or list)")
     g.add_argument("--marconi-seglen-weights", default=",".join(f"{w:g}" for w in DEFAULT_SEGLEN_WEIGHTS),

@@ -10,7 +10,12 @@ The choice decides the rule:
 - `"seglen:W"`: SegLen-style, `norm(recency) + W * norm(replay length back to the nearest state)`;
 - `"coverage"` (`--marconi-eviction coverage`, fixed): SGLang #38000's rule under Mamba pressure
   (the state covering the fewest positions first, ties to the least recent;
-  `policy/rules/eviction/coverage.py`), recency alone over the leaves under KV pressure.
+  `policy/rules/eviction/coverage.py`), recency alone over the leaves under KV pressure;
+- `"depth:B"` / `"depth:auto"` (`--marconi-eviction depth:B|depth:auto`, fixed): under either
+  pressure the candidate with the largest age / (1 + depth)^B (`policy/rules/eviction/depth.py`),
+  a node's depth read from the record of finished sequences (`continuation`), which the admission
+  feeds once per finished request with what its last insert kept (`finished`), as the simulator's
+  model of this cache does (`ServedCache.serve_kept`).
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from sglang_marconi.policy.rules.continuation import ContinuationRecord
 from sglang_marconi.policy.rules.eviction import SegLenEviction
+from sglang_marconi.policy.rules.eviction.depth import depth_rule_of
 from sglang_marconi.policy.rules.eviction.flop_aware import check_alpha
 from sglang_marconi.policy.tuning.shadow_tuner import COVERAGE, LRU, Choice, choice_label, eviction_for
 from sglang_marconi.serving.faults import MarconiFaults
+from sglang_marconi.serving.tree_index import node_end_token
 
 KV_PRESSURE = "kv"
 MAMBA_PRESSURE = "mamba"
@@ -81,6 +89,7 @@ class MarconiEvictionSettings:
         self.observer = observer
         self.probation = False  # probationary states at the end of each input (`admission.py`)
         self.faults = faults if faults is not None else MarconiFaults()
+        self.continuation: ContinuationRecord | None = None  # kept from the first depth choice on
         self.choice = choice
 
     # -- the choice in force -------------------------------------------------------------------
@@ -90,7 +99,11 @@ class MarconiEvictionSettings:
 
     @choice.setter
     def choice(self, choice: Choice) -> None:
-        if choice == LRU:
+        self.depth_rule = depth_rule_of(choice, self.continuation, node_end_token)
+        if self.depth_rule is not None:
+            self.continuation = self.depth_rule.record  # the stream's: it outlives a switch of rule
+            self.kind, self.weight = "depth", 0.0
+        elif choice == LRU:
             self.kind, self.weight = "lru", 0.0
         elif choice == COVERAGE:  # fewest positions covered first, ties by recency: no weight
             self.kind, self.weight = "coverage", 0.0
@@ -100,6 +113,12 @@ class MarconiEvictionSettings:
             self.weight = check_alpha(eviction.alpha)
         self._choice = choice
 
+    def finished(self, tokens, kept: int) -> None:
+        """A request finished, its last insert keeping tokens[:kept] (0: none): recorded, once a
+        depth choice was ever in force."""
+        if self.continuation is not None:
+            self.continuation.finish(tokens, kept)
+
     @property
     def use_upstream_lru(self) -> bool:
         return self.kind == "lru"
@@ -107,7 +126,9 @@ class MarconiEvictionSettings:
     @property
     def value_kind(self) -> str:
         """The index's second column: "flops" (FLOPs saved per byte), "seglen" (replay length) or
-        "coverage" (positions a state covers)."""
+        "coverage" (positions a state covers); the depth rule reads none (the cheapest is kept)."""
+        if self.kind == "depth":
+            return "seglen"
         return self.kind if self.kind in ("seglen", "coverage") else "flops"
 
     @property

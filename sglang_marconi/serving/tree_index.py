@@ -78,6 +78,13 @@ def node_end(node) -> int:
     return value_rule.end_position(node, _known_end, _remember_end)
 
 
+def node_end_token(node) -> tuple[int, int]:
+    """(end, last token) of a live node: where the record of finished sequences
+    (`policy/rules/continuation.py`) looks its depth up."""
+    key = node.key
+    return node_end(node), int(key.token_ids[len(key) - 1 + bool(key.is_bigram)])
+
+
 def state_time(node) -> float:
     """Recency under Mamba pressure: when the node's state was last committed or matched."""
     return getattr(node, "_marconi_state_time", node.last_access_time)
@@ -103,6 +110,7 @@ class MarconiTreeIndex:
         # `changed` in its fault guard.
         self.leaf_listener = self.changed
         self.value_kind = "flops"  # the value column: "flops", "seglen" or "coverage"
+        self.depth_rule = None  # when set, the victim is this rule's (`eviction/depth.py`), not the score's
         self.rebuilds = 0
         self._clear()
 
@@ -188,6 +196,11 @@ class MarconiTreeIndex:
             self.value_kind = kind
             if self.root is not None:
                 self.rebuild()
+
+    def use_rule(self, value_kind: str, depth_rule=None) -> None:
+        """The value column (`use_value_column`) and the depth rule in force (None: the score's)."""
+        self.use_value_column(value_kind)
+        self.depth_rule = depth_rule
 
     # -- the compressed tree ---------------------------------------------------------------------
     def _has_state(self, node) -> bool:
@@ -302,6 +315,9 @@ class MarconiTreeIndex:
         index = self.indexes[pressure]
         if pressure == MAMBA and self.value_kind == "coverage":
             return self._settled(lambda: (pressure, lowest_coverage(index)) if len(index) else None, counters)
+        rule = self.depth_rule
+        if rule is not None:  # the largest age / (1 + depth)^B, depths read from the nodes' ends
+            return self._settled(lambda: (pressure, rule.choose(index)) if len(index) else None, counters)
         return self._settled(lambda: (pressure, index.lowest(weight)) if len(index) else None, counters)
 
     def choose_across(self, weight: float, counters=None):

@@ -849,7 +849,7 @@ class PoolTree(TreeCore):
         for node in sorted((n for n in self._childless.values() if not n.lock_count and not n.state_lock),
                            key=_node_id):
             index.add(node, node.last_access, value(node, True) if node.has_state else 0.0)
-        return index.lowest(self.weight) if len(index) else None
+        return self._lowest(index) if len(index) else None
 
     def _state_victim(self):
         """The lowest-scoring state candidate, ranked by its state's recency, or None."""
@@ -859,7 +859,11 @@ class PoolTree(TreeCore):
             leaf = self._is_evictable_leaf(node)
             if candidates.state_candidate(node.state_lock, leaf, len(node.children)):
                 index.add(node, node.state_time, value(node, leaf))
-        return index.lowest(self.weight) if len(index) else None
+        return self._lowest(index) if len(index) else None
+
+    def _lowest(self, index):
+        """The victim among a non-empty candidate index (a configuration may rank by another rule)."""
+        return index.lowest(self.weight)
 
     def _least_recent_unlocked_state(self):
         for node in self._state_recency.values():

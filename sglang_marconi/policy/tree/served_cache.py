@@ -53,6 +53,8 @@ import numpy as np
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules import branch_grid
 from sglang_marconi.policy.rules import value as value_rule
+from sglang_marconi.policy.rules.continuation import ContinuationRecord
+from sglang_marconi.policy.rules.eviction.depth import depth_rule_of
 from sglang_marconi.policy.tree.core import PoolTree
 from sglang_marconi.policy.tree.radix_tree import PoolNode, as_token_array
 
@@ -152,21 +154,31 @@ class ServedEvent:
 
 
 class ServedCache(PoolTree):
-    """See the module docstring. `choice`: "lru", an alpha (FLOP-aware) or "seglen:W"."""
+    """See the module docstring. `choice`: "lru", an alpha (FLOP-aware), "seglen:W", or "depth:B" /
+    "depth:auto" (`eviction/depth.py`, over the record this cache feeds: `continuation`)."""
 
     def __init__(self, profile, pools: ServedPools, choice=0.0, *, probation: bool = True, record: bool = False):
         if int(profile.ssm_state_bytes) <= 0:
             raise MarconiError(f"{profile.name} has no SSM state: the served Mamba cache does not apply")
         self.pools = pools
+        self._extra_buffer = pools.extra_buffer  # read per chunk
         self._configure_pools(profile, pools.kv_tokens, pools.mamba_slots, probation=probation,
                               counters=ServedCounters())
         self.served = 0
         self.events: list[ServedEvent] | None = [] if record else None
+        # Finished sequences, as far as each request's last insert kept it (`rules/continuation.py`):
+        # kept from the first depth choice on, fed once per request at its release.
+        self.continuation: ContinuationRecord | None = None
         self.set_choice(choice)
 
     # -- the rule in force -------------------------------------------------------------------
     def set_choice(self, choice) -> None:
-        if choice == LRU:
+        self.depth_rule = depth_rule_of(choice, self.continuation)
+        if self.depth_rule is not None:
+            # the record of finished sequences outlives a switch of rule (it is the stream's)
+            self.continuation = self.depth_rule.record
+            self.kind, self.weight = "depth", 0.0
+        elif choice == LRU:
             self.kind, self.weight = "lru", 0.0
         elif isinstance(choice, str) and choice.startswith("seglen:"):
             self.kind, self.weight = "seglen", float(choice.partition(":")[2])
@@ -175,9 +187,18 @@ class ServedCache(PoolTree):
         self.lru_states = self.kind == LRU
         self.choice = choice
 
+    def _lowest(self, index):
+        """The victim among `index`'s candidates: the depth rule's (`eviction/depth.py`), else the
+        weighted score's."""
+        if self.depth_rule is not None:
+            return self.depth_rule.choose(index)
+        return super()._lowest(index)
+
     def _candidate_value(self, node, leaf: bool) -> float:
         """FLOPs saved back to the node's anchor per byte freed (`policy/rules/value.py`), or with
-        SegLen that replay length."""
+        SegLen that replay length; the depth rule reads none."""
+        if self.kind == "depth":
+            return 0.0
         start, end = value_rule.anchor_end(node, self.tree.root, _holds_state, _end_of), node.end
         if self.kind == "seglen":
             return float(end - start)
@@ -226,7 +247,8 @@ class ServedCache(PoolTree):
         what the runtime feeds the tuner) and the input's length."""
         n_out = len(seq) - n_in + 1
         pools = self.pools
-        step = pools.snapshot_step if pools.extra_buffer else None
+        extra = self._extra_buffer
+        step = pools.snapshot_step if extra else None
         # Req.init_next_round_input: match input[:n_in - 1], copy-on-write the state hit
         best, full_hit = self._match_reused(seq[: n_in - 1])
         hit = best.end
@@ -244,7 +266,7 @@ class ServedCache(PoolTree):
             end = branch_grid.chunk_end(req.branch, req.prefix_len, end, step)
             self._extend(req, end, best if first else None)
             first = False
-            if pools.extra_buffer:
+            if extra:
                 self._track_extend(req, end)
             if end == n_in:
                 break
@@ -254,13 +276,15 @@ class ServedCache(PoolTree):
             self._checkpoint(req, seq, n_in, finished=False)
             req.prefix_len = n_in
             self._alloc_kv(req, n_out - 1)  # decode (allocated at once: the same victims)
-            if pools.extra_buffer:
+            if extra:
                 grid = pools.decode_snapshot_step
                 boundary = (n_in // grid + 1) * grid
                 if boundary <= n_in + n_out - 1:
                     req.last_track = (n_in + n_out - 1) // grid * grid
         # release_kv_cache(checkpoint=True)
-        self._checkpoint(req, seq, len(seq), finished=True)
+        kept = self._checkpoint(req, seq, len(seq), finished=True)
+        if self.continuation is not None:
+            self.continuation.finish(seq, kept)
         self.held_kv = 0  # what the tree did not take is freed
         if req.lock is not None:
             self.unlock_reused(req.lock)
@@ -289,11 +313,13 @@ class ServedCache(PoolTree):
     def _alloc_kv(self, req: _Request, n: int) -> None:
         if n <= 0:
             return
-        if self.kv_free < n:
-            self._free_up(kv=n - self.kv_free)
-        if self.kv_free < n:
-            raise MarconiError(f"out of KV slots: {n} needed, {self.kv_free} free after eviction "
-                               f"(SGLang: alloc_token_slots fails)")
+        free = self.kv_free
+        if free < n:
+            self._free_up(kv=n - free)
+            free = self.kv_free
+            if free < n:
+                raise MarconiError(f"out of KV slots: {n} needed, {free} free after eviction "
+                                   f"(SGLang: alloc_token_slots fails)")
         self.held_kv += n
 
     def _track_extend(self, req: _Request, end: int) -> None:
@@ -313,9 +339,10 @@ class ServedCache(PoolTree):
         req.last_track = position
 
     # -- checkpoints (SGLang's checkpoint_into_tree + Marconi's admission) ------------------------
-    def _checkpoint(self, req: _Request, seq: np.ndarray, token_len: int, finished: bool) -> None:
+    def _checkpoint(self, req: _Request, seq: np.ndarray, token_len: int, finished: bool) -> int:
+        """Returns the tokens the insert kept (0: none inserted)."""
         pools = self.pools
-        extra = pools.extra_buffer
+        extra = self._extra_buffer
         c = self.counters
         probationary = False
         if finished:
@@ -337,15 +364,15 @@ class ServedCache(PoolTree):
             probationary = (not admits and self.probation and position is not None and position > 0
                             and token_len == req.n_in and self._reserve_slot(probation_only=True))
             if not admits and not probationary:
-                return  # nothing inserted; Marconi's cleanup keeps the tracked state
+                return 0  # nothing inserted; Marconi's cleanup keeps the tracked state
             if admits and not extra and not self._reserve_slot():
                 c.skipped_no_slot += 1
                 req.last_track = None
-                return
+                return 0
             cache_len = position if extra else token_len
             if not cache_len:
                 req.last_track = None
-                return
+                return 0
             if self.state_free < 1:  # MambaComponent._alloc_mamba_slot
                 self._free_up(states=1)
             if self.state_free < 1:
@@ -359,7 +386,7 @@ class ServedCache(PoolTree):
         length = min(token_len, cache_len)
         if length <= 0:
             self._release_request_slots(req, finished, inserted=False)
-            return
+            return 0
         target, exists, _ = self._insert_state(seq[:length], probationary)
         # KV: of [protected, length), the part the tree held already was a duplicate (freed), the
         # rest is the tree's now; a new state's slot (pending, or the request's own) is the tree's
@@ -381,6 +408,7 @@ class ServedCache(PoolTree):
             if exists:
                 self.held_states -= pending
             req.last_track = None
+        return length
 
     def _release_request_slots(self, req: _Request, finished: bool, inserted: bool) -> None:
         """The request's Mamba slots go back; with `inserted`, one of them became the tree's state."""

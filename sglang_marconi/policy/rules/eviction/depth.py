@@ -141,3 +141,19 @@ class CalibratedDepthEviction(DepthEviction):
             self._fitted_from = settled
             self.exponent = fitted_exponent(*settled)
         return self.exponent
+
+
+def depth_rule_of(choice, record: ContinuationRecord | None, node_end=core_node_end) -> DepthEviction | None:
+    """The rule a choice names ("depth:B", or "depth:auto" for B learned), reading `record` (a new
+    one if None), which its caller feeds (`shared_record`); None for a choice that names no depth
+    rule. `node_end` as in `DepthEviction`."""
+    if not isinstance(choice, str) or choice.partition(":")[0] != "depth":
+        return None
+    value = choice.partition(":")[2]
+    if value == "auto":
+        return CalibratedDepthEviction(record, shared_record=True, node_end=node_end)
+    try:
+        exponent = float(value)
+    except ValueError:
+        raise MarconiError(f"depth choice {choice!r}: expected depth:B (a number) or depth:auto") from None
+    return DepthEviction(check_exponent(exponent), record, shared_record=True, node_end=node_end)

@@ -10,6 +10,11 @@ Each entry holds the node's recency and its value column: FLOPs saved per byte f
 ancestor, whose value is a walk of the stateless nodes below it). Who is chosen is the policy core's rule
 (`CandidateIndex.lowest`, `lowest_across`); this module only keeps the columns current.
 
+Under the depth rule (`depth_rule`, `--marconi-eviction depth:B|depth:auto`) the same candidates
+are ranked by `policy/rules/eviction/depth.py` instead (the largest age / (1 + depth)^B, ages from
+the recency column), a node's depth read from the record of finished sequences at the node's
+(end, last token) (`node_end_token`); the value column is then unused.
+
 Recency under KV pressure is SGLang's `node.last_access_time` (a match stamps the whole matched
 path); under Mamba pressure it is when the node's state was last committed or reused by a match
 (`state_time`), so only the node hit is refreshed, as in the paper.

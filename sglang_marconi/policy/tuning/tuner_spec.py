@@ -4,7 +4,9 @@ scheduler thread or sends it to the tuner's background process, which builds it 
 - `kind="hybrid"`: the shadow tuner over hybrid (SSM) caches (`shadow_tuner.ShadowTuner`: LRU,
   FLOP-aware eviction at each alpha, SegLen, depth-aware eviction), modelling the served pools
   (`state_slots`), grid, pages and probation; over the model of SGLang's cache (`served` in the
-  options) without the depth-aware choices, which that cache does not run;
+  options) without the depth-aware choices: the served cache runs them fixed
+  (`--marconi-eviction depth:B`), but the tuner's served shadows keep no record of finished
+  sequences from the first request, so they could not predict them (`ShadowTuner` drops them too);
 - `kind="window"`: alpha tuning of the sliding-window cache (`window_tuner.WindowTuner`).
 
 Both expose the same interface: `observe(session_key, input, output)`, `current` (the choice in

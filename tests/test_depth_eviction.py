@@ -317,6 +317,8 @@ def test_the_served_flag_fixes_the_depth_rule():
     for bad in ("depth:x", "depth:99", "depth", "belady"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--marconi-eviction", bad])
+    with pytest.raises(MarconiError, match="'depth:1': needs --marconi-admission on"):
+        config_from_args(parser.parse_args(["--marconi-eviction", "depth:1", "--marconi-admission", "off"]))
     settings = MarconiEvictionSettings(ToyProfile(), choice="depth:2")
     assert (settings.kind, settings.weight, settings.value_kind, settings.label) == ("depth", 0.0, "seglen", "depth:2")
     record = settings.continuation

@@ -195,6 +195,9 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
                                                                      ns.marconi_hint_horizon, int)
     if horizon is not None and horizon < 1:
         raise _flag_error("--marconi-hint-horizon", ns.marconi_hint_horizon, "must be 'auto' or >= 1")
+    if ns.marconi_eviction.startswith("depth:") and not _on_off("--marconi-admission", ns.marconi_admission):
+        # the depth rule's record is fed by Marconi's admission as each request finishes
+        raise _flag_error("--marconi-eviction", ns.marconi_eviction, "needs --marconi-admission on")
     stall = _number("--marconi-tune-stall-timeout", ns.marconi_tune_stall_timeout)
     if not stall > 0:
         raise _flag_error("--marconi-tune-stall-timeout", ns.marconi_tune_stall_timeout, "must be > 0")

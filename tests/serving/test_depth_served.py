@@ -66,6 +66,8 @@ def replay(requests, choice: str, strategy: str = "no_buffer"):
             hits[0, i] = run_request(cc, r.input_tokens.tolist(), r.output_len, out_tokens=r.output_tokens.tolist(),
                                      chunk_end=chunk_end_for_branch, decode_at_once=True)[1]
             hits[1, i] = sim.serve(r.input_tokens, r.output_tokens).hit_tokens
+        # fixed, as the flag asks: no tuner, the rule still in force past the sync points
+        assert runtime.tuner is None and cc.settings.choice == choice and runtime.released == len(requests)
     finally:
         runtime.close()
     cc.check_no_leak()

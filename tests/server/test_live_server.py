@@ -105,6 +105,17 @@ def reusable(server, prompt_tokens: int, cached_tokens: int, output_tokens: int)
     return cached_tokens + floor_to(prompt_tokens - cached_tokens, SNAPSHOT)
 
 
+def test_client_cache_hints_keep_a_keyed_conversation(server):
+    """`live_hints.py`, on one server of the set and before the others (from a fresh server the
+    tuner keeps LRU): the hint rule depends on neither the model kind nor the launcher."""
+    if (server.kind, server.strategy, server.page_size) != ("gated-delta", "no_buffer", 1) \
+            or "sglang_marconi.launch_server" not in server.argv:
+        pytest.skip("runs on the gated-delta no_buffer server of our launcher")
+    from live_hints import check_hints
+
+    check_hints(server)
+
+
 def test_the_scheduler_runs_the_marconi_cache(server):
     state = internal_state(server.url)
     assert "marconi" in state, sorted(state)

@@ -366,3 +366,37 @@ def test_server_info_reports_the_credits_granted_refused_lapsed_moved_and_charge
         "marconi_hint_credits_in_force": 1,
         "marconi_hinted_kv_tokens": 5, "marconi_hinted_states": 1, "marconi_hints_stopped": None}
     assert hint_figures(SimpleNamespace(marconi=SimpleNamespace(hints=None))) == {}  # --marconi-hinted-share 0
+
+
+# -- retention 24h on a host tier -------------------------------------------------------------------
+def test_a_24h_credit_marks_its_node_kept_for_the_host_tier_until_it_lapses_or_moves():
+    adapter, ledger = _ledger(horizon=2)
+    _release(adapter, ledger, 1, "day", "day-end", retention="24h")
+    _release(adapter, ledger, 2, "memory", "memory-end")
+    assert ledger.kept_for_day("day-end") and not ledger.kept_for_day("memory-end")
+    ledger.check()
+    _release(adapter, ledger, 3, "day", "day-next")  # the key's next turn, in-memory: the credit moves
+    assert not ledger.kept_for_day("day-end") and not ledger.kept_for_day("day-next")
+    _release(adapter, ledger, 4, "day", "day-last", retention="24h")
+    for clock in range(5, 12):  # 4 horizons of 2 releases: still kept at the 7th release after it
+        _release(adapter, ledger, clock)
+        assert ledger.kept_for_day("day-last")
+    _release(adapter, ledger, 12)
+    assert not ledger.kept_for_day("day-last") and len(ledger) == 0
+    ledger.check()
+
+
+@pytest.mark.parametrize("frees_kv", [True, False], ids=["device-leaf", "state-alone"])
+def test_marconi_tiering_demotes_a_node_kept_for_a_client_whatever_it_displaces(frees_kv):
+    from sglang_marconi.policy.rules.tier_rules import Demotion, EvictionFacts, MarconiTiering, UpstreamWriteBack
+
+    facts = dict(frees_kv=frees_kv, kv_on_host=False, state_on_device=True, state_on_host=False,
+                 host_descendants=False)
+    rules = MarconiTiering()
+    plain, kept = rules.demotion(EvictionFacts(**facts)), rules.demotion(EvictionFacts(**facts, kept_for_client=True))
+    assert plain.ranked and plain.state  # ranked against the host's candidates: may be dropped
+    assert kept == Demotion(kv=plain.kv, state=True, ranked=False)  # the host makes room for it
+    if frees_kv:  # upstream's write-back backs up every device leaf, kept or not
+        upstream = UpstreamWriteBack()
+        assert upstream.demotion(EvictionFacts(**facts)) == upstream.demotion(
+            EvictionFacts(**facts, kept_for_client=True)) == Demotion(kv=True, state=True)

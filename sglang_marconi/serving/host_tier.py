@@ -624,7 +624,7 @@ class ServedHostTier:
         f = _Facts(node, full, mamba)
         plan = self.rules.demotion(EvictionFacts(
             frees_kv=True, kv_on_host=f.kv_host, state_on_device=f.st_dev, state_on_host=f.st_host,
-            host_descendants=bool(node.children)))
+            host_descendants=bool(node.children), kept_for_client=self._kept_for_client(node)))
         if plan.kv and plan.ranked:
             kv_needed = 0 if f.kv_host else f.tokens
             states_needed = 1 if (plan.state and f.st_dev and not f.st_host) else 0
@@ -680,11 +680,18 @@ class ServedHostTier:
             return None  # a host copy already exists (nothing to copy), or no device KV to back up with
         plan = self.rules.demotion(EvictionFacts(
             frees_kv=False, kv_on_host=f.kv_host, state_on_device=f.st_dev, state_on_host=f.st_host,
-            host_descendants=False))
+            host_descendants=False, kept_for_client=self._kept_for_client(node)))
         if not plan.state:
             return None
+        if not plan.ranked:
+            return True
         kv_needed = 0 if f.kv_host else f.tokens  # SGLang's internal backup copies the node's KV too
         return self.host_admits(node, kv_needed, 1, self.state_bytes, True)
+
+    def _kept_for_client(self, node) -> bool:
+        """A client's `24h` cache-hint credit is in force on `node` (`serving/cache_hints.py`)."""
+        hints = getattr(self.cache.marconi, "hints", None)
+        return hints is not None and hints.broken is None and hints.ledger.kept_for_day(node)
 
     # -- load back -------------------------------------------------------------------------------
     def load_back_facts(self, node_id):

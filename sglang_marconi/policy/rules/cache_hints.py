@@ -163,6 +163,7 @@ class Credit:
     states: int  # charge against the state pool
     expires_at: int  # the release count at which it lapses
     serial: int
+    retention: str = IN_MEMORY
 
 
 @dataclass(slots=True)
@@ -191,6 +192,7 @@ class HintLedger:
         self._history = KeyHistory()
         self._clock_at: deque[float] = deque(maxlen=(self.horizon or MAX_HORIZON) * max(HORIZON_FACTOR.values()) + 1)
         self._credits: OrderedDict[str, Credit] = OrderedDict()  # oldest grant first
+        self._day_nodes: dict[int, int] = {}  # id(node) -> `24h` credits on it (their credits hold the nodes)
         self._expiry: list[tuple[int, int, str]] = []  # (expires_at, serial, key), stale entries skipped
         self._serial = 0
         self.counters = HintCounters()
@@ -200,6 +202,10 @@ class HintLedger:
 
     def credits(self) -> list[Credit]:
         return list(self._credits.values())
+
+    def kept_for_day(self, node) -> bool:
+        """A `24h` credit is in force on `node`: a host tier keeps it (`tier_rules.MarconiTiering`)."""
+        return id(node) in self._day_nodes
 
     # -- the request stream --------------------------------------------------------------------
     def release(self, now: float, hint: CacheHint | None = None, node=None, kv: int = 0, states: int = 0, *,
@@ -232,8 +238,10 @@ class HintLedger:
         self.adapter.set_stamps(node, *credited)
         self._serial += 1
         credit = Credit(hint.key, node, plain, credited, kv, states,
-                        self.releases + self.span(hint.retention), self._serial)
+                        self.releases + self.span(hint.retention), self._serial, hint.retention)
         self._credits[hint.key] = credit
+        if hint.retention == DAY:
+            self._day_nodes[id(node)] = self._day_nodes.get(id(node), 0) + 1
         heapq.heappush(self._expiry, (credit.expires_at, credit.serial, hint.key))
         self.kv_charged += kv
         self.states_charged += states
@@ -273,6 +281,10 @@ class HintLedger:
         self.kv_charged -= credit.kv
         self.states_charged -= credit.states
         node, adapter = credit.node, self.adapter
+        if credit.retention == DAY:
+            held = self._day_nodes.pop(id(node)) - 1
+            if held:
+                self._day_nodes[id(node)] = held
         if not adapter.alive(node):
             return
         kv, state = adapter.stamps(node)
@@ -288,3 +300,8 @@ class HintLedger:
         assert self.kv_charged <= self.kv_budget
         assert self.state_budget is None or self.states_charged <= self.state_budget
         assert all(c.expires_at > self.releases for c in self._credits.values())
+        day = {}
+        for c in self._credits.values():
+            if c.retention == DAY:
+                day[id(c.node)] = day.get(id(c.node), 0) + 1
+        assert day == self._day_nodes

@@ -30,7 +30,11 @@ whose KV the host-resident nodes below it need) is demoted with its state, and a
 alone (its KV stays on the device, where its child needs it) is demoted, whatever already has a
 host copy; but the host admits what is not forced only if the candidates it would displace rank
 below it (recency + alpha x FLOPs saved per byte, the host's own candidates and budget): else it
-is dropped. A leaf without a state saves no prefill anywhere: it is dropped.
+is dropped. A leaf without a state saves no prefill anywhere: it is dropped. A node a client asked to keep
+(`kept_for_client`: a `24h` cache-hint credit in force on it, `cache_hints.py`) is demoted with its
+state whatever it would displace: the host makes room by its own order. That is bounded: credits
+are charged against the share of the device pools (`--marconi-hinted-share`), and they lapse.
+`UpstreamWriteBack` writes back every device leaf anyway (a credit changes nothing there).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class EvictionFacts:
     state_on_device: bool
     state_on_host: bool
     host_descendants: bool  # host-resident nodes below it reach the root only through its KV
+    kept_for_client: bool = False  # a client's `24h` cache-hint credit is in force on it
 
     @property
     def has_state(self) -> bool:
@@ -100,8 +105,9 @@ class MarconiTiering:
 
     def demotion(self, facts: EvictionFacts) -> Demotion:
         if not facts.frees_kv:  # a state alone: its KV stays on the device
-            return Demotion(kv=facts.kv_on_host, state=True, ranked=True)
-        forced = facts.host_descendants  # dropping this KV would drop the host nodes below it
+            return Demotion(kv=facts.kv_on_host, state=True, ranked=not facts.kept_for_client)
+        # dropping this KV would drop the host nodes below it; or a client asked to keep it
+        forced = facts.host_descendants or facts.kept_for_client
         keep = facts.has_state or forced
         return Demotion(kv=keep, state=facts.has_state, ranked=keep and not forced)
 

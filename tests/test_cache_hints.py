@@ -400,3 +400,32 @@ def test_marconi_tiering_demotes_a_node_kept_for_a_client_whatever_it_displaces(
         upstream = UpstreamWriteBack()
         assert upstream.demotion(EvictionFacts(**facts)) == upstream.demotion(
             EvictionFacts(**facts, kept_for_client=True)) == Demotion(kv=True, state=True)
+
+
+# -- a fault in the served hint step -------------------------------------------------------------------
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_a_fault_in_the_served_hint_step_stops_hints_alone_and_stops_a_group(group_size, monkeypatch):
+    """A rank alone stops hints and serves on; a rank of a TP / PP group raises, since the stamps
+    moved before the fault could order its evictions differently from the other ranks'."""
+    from types import SimpleNamespace
+
+    from sglang_marconi.serving import cache_hints as served
+    from sglang_marconi.serving.faults import MarconiFaults, MarconiGroupFault
+
+    cache = SimpleNamespace(marconi=SimpleNamespace(faults=MarconiFaults(group_size=group_size)))
+    hints = served.ServedHints(cache, (1000, 10))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("ledger fault midway through a release")
+
+    monkeypatch.setattr(hints.ledger, "release", fail)
+    monkeypatch.setattr(served, "sglang_clock", lambda: 1.0)
+    req = SimpleNamespace(kv_hints=None)
+    if group_size > 1:
+        with pytest.raises(MarconiGroupFault, match="cache hints"):
+            hints.on_release(cache, req)
+    else:
+        hints.on_release(cache, req)
+    assert hints.broken == "RuntimeError: ledger fault midway through a release"
+    assert cache.marconi.faults.fallen_back is None  # a rank alone keeps Marconi's eviction
+    hints.on_release(cache, req)  # stopped: no second fault, no second raise

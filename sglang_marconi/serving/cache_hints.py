@@ -294,6 +294,10 @@ class ServedHints:
         except Exception as exc:  # noqa: BLE001 - hints stop; the tree is SGLang's and unharmed
             self.broken = f"{type(exc).__name__}: {exc}"
             log.warning("Marconi: cache hints stop on this cache (%s)", self.broken)
+            faults = cache.marconi.faults
+            if faults.group_size > 1:
+                # stamps this release already moved may differ from the other ranks': the group stops
+                faults.unrecoverable("cache hints", exc)
 
     @staticmethod
     def _end_node(cache, req):

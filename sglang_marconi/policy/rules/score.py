@@ -53,6 +53,7 @@ class Scale(NamedTuple):
 
 
 LRU_SCALE = Scale(0.0, 0.0, 1.0, 0.0)  # alpha = 0: recency itself
+_new_scale = tuple.__new__
 
 
 def scale(lo_t: float, hi_t: float, lo_e: float, hi_e: float, alpha: float) -> Scale:
@@ -63,7 +64,7 @@ def scale(lo_t: float, hi_t: float, lo_e: float, hi_e: float, alpha: float) -> S
     w_e = alpha / (hi_e - lo_e) if hi_e > lo_e else 0.0
     if w_t == _INF or w_e == _INF:
         return Scale(lo_t, lo_e, 0.0, 0.0, (hi_t - lo_t, hi_e - lo_e, alpha))
-    return Scale(lo_t, lo_e, w_t, w_e)
+    return _new_scale(Scale, (lo_t, lo_e, w_t, w_e, None))  # `Scale(...)` without its Python-level __new__
 
 
 def scorer(s: Scale) -> Callable:

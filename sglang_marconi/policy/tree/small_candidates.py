@@ -52,12 +52,14 @@ class SmallCandidateIndex(CandidateIndex):
         self._mirrored = True
 
     def add(self, item, last_access: float, efficiency: float) -> int:
-        slot = len(self.items)
-        key = self.key_of(item)
+        items = self.items
+        slot = len(items)
+        tie_key = self._tie_key
+        key = self.key_of(item) if tie_key is None else tie_key(item)
         if type(key) is not int or self._key_width != 1:
             row = self._key_row(item, key)
             key = row[0] if len(row) == 1 else row
-        self.items.append(item)
+        items.append(item)
         self.recency.append(last_access)
         self.value.append(efficiency)
         self.keys.append(key)
@@ -86,22 +88,21 @@ class SmallCandidateIndex(CandidateIndex):
 
     def remove(self, slot: int):
         items, recency, value, keys = self.items, self.recency, self.value, self.keys
-        last = len(items) - 1
-        moved = None
-        if slot != last:
-            moved = items[last]
+        # The last entry fills the hole: pop it, and store it at `slot` unless it was that slot.
+        moved = items.pop()
+        t, e, key = recency.pop(), value.pop(), keys.pop()
+        last = len(items)
+        if slot == last:
+            moved = None
+        else:
             items[slot] = moved
-            recency[slot] = recency[last]
-            value[slot] = value[last]
-            keys[slot] = keys[last]
+            recency[slot] = t
+            value[slot] = e
+            keys[slot] = key
             if self._mirrored:
                 self._t[slot] = self._t[last]
                 self._e[slot] = self._e[last]
                 self._keys[:, slot] = self._keys[:, last]
-        items.pop()
-        recency.pop()
-        value.pop()
-        keys.pop()
         if self._mirrored and last <= SMALL // 2:
             self._mirrored = False
         return moved

@@ -239,8 +239,11 @@ class ShadowConfig:
 
     @property
     def start(self) -> Choice:
-        """The safe choice: where the live cache starts and where the guard sends it back."""
-        return self.choices[0]
+        """The safe choice: where the live cache starts and where the guard sends it back
+        (`choices[0]`, without building them: the guard asks on every sampled request)."""
+        if self.lru:
+            return LRU
+        return self.alpha_grid[0] if self.alpha_grid else self.choices[0]
 
 
 @dataclass

@@ -60,7 +60,7 @@ def test_the_window_shadows_model_the_served_pools():
     assert spec.options["pools"] == (40_000, SWA_POOL)
     shadows = runtime.tuner.tuner.shadows
     assert [type(s) for s in shadows] == [ServedWindowCache] * 2 and [s.alpha for s in shadows] == [0.0, 20.0]
-    assert {(s.kv_tokens, s.swa_tokens, s.window) for s in shadows} == {(40_000, SWA_POOL, WINDOW)}
+    assert {(s.kv_pool, s.swa_pool, s.window) for s in shadows} == {(40_000, SWA_POOL, WINDOW)}
     assert cc.settings.alpha == 0.0  # the tuner's safe start: recency alone over Marconi's candidates
 
 

@@ -38,6 +38,12 @@ extend's last snapshot; a request that tracks none after it (a decode shorter th
 grid) has no other final state, so at finish that one is confirmed as its final state. The policy
 core's `HybridPrefixCache(probation=True)` models the same, and the runtime's shadow caches run with it.
 
+Backtrack states (`policy/rules/backtrack_states.py`, with probation): a request that replays a long
+stretch also keeps, on probation, up to B states at the chunk ends its prefill checkpoints anyway,
+spaced to cut the stretch into near-equal FLOP parts, never more states than upstream keeps for it;
+B from the serving config's `extra["backtrack_states"]` (0: off), by default the rule's default,
+as the served-pools model's (`ServedPools.backtrack_states`) is.
+
 Faults: admission has no state derived from the tree to rebuild, so an exception in its code is
 unrecoverable (`faults.py`): a rank alone takes upstream's admission from then on, a rank of a group
 stops the group. Per-request data lives in `req.marconi` (`cache_state.MarconiRequestState`).
@@ -48,6 +54,7 @@ The class is built lazily (`admission_mixin()`) so importing this module needs n
 from __future__ import annotations
 
 from sglang_marconi.policy.rules import branch_grid
+from sglang_marconi.policy.rules.backtrack_states import DEFAULT_SETTING, backtrack_rule_of
 from sglang_marconi.serving.cache_state import EvictionWalk, marconi_evict_params, request_state
 
 
@@ -95,6 +102,39 @@ def free_mamba_slots(allocator) -> int:
 
 
 _PROBATION_ONLY = EvictionWalk(probation_only=True)
+
+
+class BacktrackRecord:
+    """One request's states offered to the tree, for the backtrack rule (`req.marconi_backtrack`)."""
+
+    __slots__ = ("resumed_at", "taken", "offered")
+
+    def __init__(self, resumed_at: int):
+        self.resumed_at = resumed_at  # the state its match reused (what the tree owned before any insert)
+        self.taken = 0  # backtrack states offered
+        self.offered = 0  # states of any kind its checkpoints offered
+
+
+def backtrack_record(req) -> BacktrackRecord:
+    """The request's record, made at its first checkpoint (before it inserted anything)."""
+    record = req.__dict__.get("marconi_backtrack")
+    if record is None:
+        record = req.marconi_backtrack = BacktrackRecord(req.kv.cache_protected_len)
+    return record
+
+
+def backtrack_setting(config):
+    """The backtrack-states setting a serving config carries (`extra["backtrack_states"]`)."""
+    extra = getattr(config, "extra", None) or {}
+    return extra.get("backtrack_states", DEFAULT_SETTING)
+
+
+def prefill_chunk() -> int | None:
+    """The scheduler's chunked prefill size (None: one extend per prompt)."""
+    from sglang.srt.runtime_context import get_schedule
+
+    chunk = get_schedule().chunked_prefill_size
+    return chunk if chunk and chunk > 0 else None
 
 
 def admission_mixin():
@@ -150,18 +190,23 @@ def admission_mixin():
                 return cache_len
             extra_buffer = self.cache.enable_mamba_extra_buffer
             try:
+                record = backtrack_record(req)
                 position = req.kv.mamba_last_track_seqlen if extra_buffer else token_ids_len
                 admits = self._marconi_admits(req, state, position, token_ids_len)
                 probationary = not admits and self._marconi_probation_admits(req, position, token_ids_len)
+                backtrack = (not admits and not probationary
+                             and self._marconi_backtrack_admits(req, record, position, token_ids_len))
                 reserved = admits and (extra_buffer or self._marconi_reserve_slot())
             except Exception as exc:
                 self._unrecoverable("admission (checkpoint)", exc)
                 return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
-            if probationary:
+            if probationary or backtrack:
                 cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
                 if cache_len:
                     state.probationary_insert = True
-                    counters.probationary_admitted += 1
+                    record.offered += 1
+                    record.taken += backtrack
+                    counters.probationary_admitted += 1  # backtrack states included
                 return cache_len
             if not admits:
                 counters.checkpoints_declined += 1
@@ -172,6 +217,7 @@ def admission_mixin():
                 return 0
             cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
             if cache_len:
+                record.offered += 1
                 counters.branch_states_admitted += 1
                 counters.grid_lost_tokens += branch_position(req) - cache_len
             return cache_len
@@ -194,6 +240,29 @@ def admission_mixin():
             if not ends_input(req, checkpoint_end):
                 return False
             return self._marconi_reserve_slot(probation_only=True)
+
+        def _marconi_backtrack_admits(self, req, record, position, checkpoint_end) -> bool:
+            """Keep the state at this chunk end on probation as a backtrack state
+            (`policy.rules.backtrack_states`), if a Mamba slot can be had without evicting anything
+            but probationary states."""
+            rule = self._marconi_backtrack_rule()
+            n_in = len(req.origin_input_ids)
+            if rule is None or checkpoint_end >= n_in:
+                return False
+            if not rule.admits(position, req.kv.cache_protected_len, record.resumed_at, n_in, record.taken,
+                               record.offered, prefill_chunk(), self.marconi.settings.profile.prefill_flops):
+                return False
+            return self._marconi_reserve_slot(probation_only=True)
+
+        def _marconi_backtrack_rule(self):
+            """The backtrack rule in force: the config's setting, with probation (its states are
+            probationary); None when off."""
+            rule = self.__dict__.get("_marconi_backtrack")
+            if rule is None:
+                on = self.marconi.settings.probation
+                rule = self._marconi_backtrack = (backtrack_rule_of(backtrack_setting(self.marconi.config))
+                                                  if on else None) or False
+            return rule or None
 
         def _marconi_confirm_own_probationary(self, state) -> bool:
             """extra_buffer mode: a request whose input-end state went to the tree on probation and

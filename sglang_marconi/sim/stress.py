@@ -4,6 +4,11 @@ extends an earlier one, half of them one at a time (chains), half in bursts of 2
 one parent (fan-outs); all share one short root prefix; arrival order is shuffled, so a child
 may come before its parent. A hard case for a hybrid cache: branch points lie anywhere, and the
 first sight of one finds no state there.
+
+`agent_backtrack`: coding-agent trajectories that come back to earlier points of themselves (a
+retried step, a template that strips earlier reasoning): each step extends the trajectory at a
+message boundary, and with probability `backtrack` it first drops back to an earlier boundary
+(uniformly chosen). Several trajectories interleave, sharing one system prompt.
 """
 
 from __future__ import annotations
@@ -39,3 +44,47 @@ def chain_fanout(n: int, *, chunk: int = 256, vocab: int = 32000, output_tokens:
                                 np.arange(out, out + output_tokens, dtype=np.int64)))
         out += output_tokens
     return ListWorkload(f"chain-fanout:{n}", requests)
+
+
+def agent_backtrack(sessions: int = 8, steps: int = 40, *, backtrack: float = 0.3, system: int = 300,
+                    task: int = 60, observation: tuple[int, int] = (20, 600), output: tuple[int, int] = (8, 60),
+                    max_input: int = 6400, vocab: int = 32000, seed: int = 7) -> ListWorkload:
+    """`sessions` trajectories of up to `steps` requests each, interleaved in a seeded random order.
+    A request's input is its trajectory's messages so far (system prompt, task, then per step the
+    previous answer and a tool observation of `observation` tokens, uniform); it decodes `output`
+    tokens (uniform), the next message. With probability `backtrack` a step first returns to a
+    uniformly chosen earlier message boundary; a trajectory that would pass `max_input` tokens
+    returns to its task instead."""
+    if not 0 <= backtrack <= 1:
+        raise ValueError(f"backtrack must be a probability, got {backtrack!r}")
+    rng = random.Random(seed)
+    fresh = iter(range(vocab + 1, 1 << 40))
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randint(1, vocab) for _ in range(n)]
+
+    prompt = tokens(system)
+    order = [s for s in range(sessions) for _ in range(steps)]
+    rng.shuffle(order)
+    messages: list[list[list[int]]] = [[prompt, tokens(task)] for _ in range(sessions)]
+    answers: list[list[int] | None] = [None] * sessions
+    turns = [0] * sessions
+    requests = []
+    for i, s in enumerate(order):
+        msgs = messages[s]
+        if answers[s] is not None:
+            msgs.append(answers[s])
+            msgs.append(tokens(rng.randint(*observation)))
+            if rng.random() < backtrack and len(msgs) > 4:
+                keep = rng.randrange(2, len(msgs) - 1)  # an earlier boundary: past the task, before the end
+                del msgs[keep:]
+                msgs.append(tokens(rng.randint(*observation)))
+            if sum(map(len, msgs)) > max_input:
+                del msgs[2:]
+                msgs.append(tokens(rng.randint(*observation)))
+        answer = [next(fresh) for _ in range(rng.randint(*output))]
+        answers[s] = answer
+        requests.append(Request(f"agent-{s}", turns[s], float(i), np.fromiter((t for m in msgs for t in m), np.int64),
+                                np.asarray(answer, dtype=np.int64)))
+        turns[s] += 1
+    return ListWorkload(f"agent-backtrack:{sessions}x{steps},p={backtrack:g}", requests)

@@ -53,6 +53,7 @@ import numpy as np
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules import branch_grid
 from sglang_marconi.policy.rules import value as value_rule
+from sglang_marconi.policy.rules.backtrack_states import DEFAULT_SETTING, backtrack_rule_of
 from sglang_marconi.policy.rules.continuation import ContinuationRecord
 from sglang_marconi.policy.rules.eviction.depth import depth_rule_of
 from sglang_marconi.policy.tree.core import PoolTree
@@ -76,6 +77,7 @@ class ServedPools:
     snapshot_step: int = 64  # extra_buffer: mamba_cache_chunk_size, the prefill snapshot grid
     decode_snapshot_step: int = 256  # extra_buffer: mamba_track_grid, decode snapshots
     tracking_slots: int = 2  # extra_buffer: ping-pong track slots per running request (overlap on)
+    backtrack_states: int = DEFAULT_SETTING  # the serving config's extra["backtrack_states"]: extra states per request (`rules/backtrack_states.py`)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -84,6 +86,7 @@ class ServedPools:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise MarconiError(f"{name} must be a positive integer, got {value!r}")
+        backtrack_rule_of(self.backtrack_states)  # a bad count raises here
         if self.chunk_size is not None and (not isinstance(self.chunk_size, (int, np.integer)) or self.chunk_size < 1):
             raise MarconiError(f"chunk_size must be a positive integer or None, got {self.chunk_size!r}")
         if self.mamba_slots < self.request_slots + 1:
@@ -105,7 +108,8 @@ class ServedPools:
             return self
         return ServedPools(max(1, int(self.kv_tokens * rate)),
                            max(self.request_slots + 1, round(self.mamba_slots * rate)), self.strategy,
-                           self.chunk_size, self.snapshot_step, self.decode_snapshot_step, self.tracking_slots)
+                           self.chunk_size, self.snapshot_step, self.decode_snapshot_step, self.tracking_slots,
+                           self.backtrack_states)
 
 
 @dataclass
@@ -117,6 +121,7 @@ class ServedCounters:
     branch_states_admitted: int = 0
     final_states_admitted: int = 0
     probationary_admitted: int = 0
+    backtrack_admitted: int = 0
     skipped_no_slot: int = 0
 
 
@@ -133,6 +138,7 @@ class _Request:
 
     n_in: int
     prefix_len: int  # tokens whose KV the request has (the match, then each extend)
+    resumed_at: int  # the state its match reused
     protected: int  # req.kv.cache_protected_len: the prefix the tree owns
     branch: int | None
     lock: PoolNode | None = None
@@ -140,6 +146,8 @@ class _Request:
     last_track: int | None = None  # extra_buffer: the latest snapshot's position
     probation_node: PoolNode | None = None
     admitted: int = 0
+    backtrack_taken: int = 0  # backtrack states offered to the tree (`rules/backtrack_states.py`)
+    offered: int = 0  # states its checkpoints offered to the tree (inserted, new or not)
 
 
 @dataclass
@@ -165,6 +173,8 @@ class ServedCache(PoolTree):
         self._configure_pools(profile, pools.kv_tokens, pools.mamba_slots, probation=probation,
                               counters=ServedCounters())
         self.served = 0
+        # extra states at chunk ends, on probation (needs probation: they live in its registry)
+        self.backtrack = backtrack_rule_of(pools.backtrack_states) if probation else None
         self.events: list[ServedEvent] | None = [] if record else None
         # Finished sequences, as far as each request's last insert kept it (`rules/continuation.py`):
         # kept from the first depth choice on, fed once per request at its release.
@@ -252,7 +262,7 @@ class ServedCache(PoolTree):
         # Req.init_next_round_input: match input[:n_in - 1], copy-on-write the state hit
         best, full_hit = self._match_reused(seq[: n_in - 1])
         hit = best.end
-        req = _Request(n_in, hit, hit, branch_grid.branch_position(full_hit, hit))
+        req = _Request(n_in, hit, hit, hit, branch_grid.branch_position(full_hit, hit))
         if best.has_state:
             if self.state_free < 1:
                 self.lock_reused(best)
@@ -363,6 +373,11 @@ class ServedCache(PoolTree):
             admits = branch_grid.admits_branch_state(req.branch, position, token_len, step)
             probationary = (not admits and self.probation and position is not None and position > 0
                             and token_len == req.n_in and self._reserve_slot(probation_only=True))
+            backtrack = (not admits and not probationary and token_len < req.n_in and self.backtrack is not None
+                         and self.backtrack.admits(position, req.protected, req.resumed_at, req.n_in,
+                                                   req.backtrack_taken, req.offered, pools.chunk_size, self.flops)
+                         and self._reserve_slot(probation_only=True))
+            probationary = probationary or backtrack
             if not admits and not probationary:
                 return 0  # nothing inserted; Marconi's cleanup keeps the tracked state
             if admits and not extra and not self._reserve_slot():
@@ -379,8 +394,12 @@ class ServedCache(PoolTree):
                 raise MarconiError("out of Mamba slots for a checkpoint (SGLang: _alloc_mamba_slot asserts)")
             self.held_states += 1
             pending = 1
+            req.offered += 1
             if probationary:
-                c.probationary_admitted += 1
+                c.probationary_admitted += 1  # backtrack states included
+            if backtrack:
+                req.backtrack_taken += 1
+                c.backtrack_admitted += 1
             else:
                 c.branch_states_admitted += 1
         length = min(token_len, cache_len)

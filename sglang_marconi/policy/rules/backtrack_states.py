@@ -1,0 +1,89 @@
+"""States where backtracks land: a bounded number of extra SSM states per request, at the chunk ends
+its prefill checkpoints anyway, kept on probation. Engine-free; one rule, written once.
+
+Marconi admits about two states per request (the branch state and the final one). An agent that
+comes back to an earlier point of a long trajectory (a retried step, a chat template that strips
+earlier reasoning, or simply its deep state evicted while other work ran) then finds the nearest
+state far back, often at the shared system prompt, and replays everything after it. Upstream keeps
+a state at every chunk end and so lands near the point it comes back to.
+
+The rule: when a request replays a long stretch (from the state it resumed at to the end of its
+input), a checkpoint at a chunk end inside that stretch offers its state as a *backtrack state*,
+admitted when
+
+- the request has admitted fewer than `per_request` of them, and fewer states in all than upstream
+  keeps for it (one per prefill extend and the final state: `upstream_states`);
+- the replay it saves is worth its slot: the FLOPs from the request's previous state on its path
+  (the state it resumed at, or the last one it admitted) to this position are at least
+  1 / (`per_request` + 1) of the FLOPs of the whole stretch. So the states cut the stretch into
+  near-equal FLOP parts: a return that lands anywhere in it replays at most about one part (the
+  coverage each state gives, times the FLOPs per byte of its slot, is then about equal). A
+  replay shorter than a chunk has no chunk end inside it, and keeps none.
+
+Admitted states are probationary (`rules/probation.py`): kept only in free room or room freed from
+other probationary states, evicted first, confirmed into regular states by a return that reuses
+one. Under pressure they are what goes first, so they never displace a state Marconi would keep.
+
+Callers: the simulator's model of the served cache (`policy/tree/served_cache.py`) and the served
+admission (`serving/admission.py`), each with its own request's fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from sglang_marconi.policy.errors import MarconiError
+
+DEFAULT_PER_REQUEST = 3
+# What a cache runs without a setting (the served config's extra["backtrack_states"], the
+# served-pools model's `ServedPools.backtrack_states`): the same on both sides.
+DEFAULT_SETTING = 0
+
+
+def upstream_states(input_len: int, resumed_at: int, chunk: int | None) -> int:
+    """States upstream keeps for one request: a state at the end of each prefill extend (chunks
+    of `chunk` tokens from `resumed_at`; one extend when `chunk` is None) and the final one."""
+    replay = max(0, input_len - resumed_at)
+    extends = 1 if chunk is None else max(1, -(-replay // chunk))
+    return extends + 1
+
+
+@dataclass(frozen=True)
+class BacktrackStates:
+    """The rule's bound: at most `per_request` backtrack states per request."""
+
+    per_request: int = DEFAULT_PER_REQUEST
+
+    def __post_init__(self):
+        n = self.per_request
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise MarconiError(f"backtrack states per request must be a positive integer, got {n!r}")
+
+    def admits(self, position: int | None, previous: int, resumed_at: int, input_len: int, taken: int,
+               admitted: int, chunk: int | None, flops: Callable[[int, int], float]) -> bool:
+        """Is the state a checkpoint offers at `position` a backtrack state to keep? `previous`:
+        the request's last state on its path (the one it resumed at, or the last it admitted);
+        `resumed_at`: the state its match reused; `taken`: backtrack states it admitted so far;
+        `admitted`: states of any kind it admitted so far; `flops(start, end)`: prefill FLOPs."""
+        if position is None or not previous < position < input_len or taken >= self.per_request:
+            return False
+        if admitted + 2 > upstream_states(input_len, resumed_at, chunk):  # this one, and a final state
+            return False
+        return flops(previous, position) * (self.per_request + 1) >= flops(resumed_at, input_len)
+
+
+def backtrack_rule_of(setting) -> BacktrackStates | None:
+    """The rule for a setting: None / 0 / "off" (none), an integer B or "on" (B =
+    `DEFAULT_PER_REQUEST`); a bad value raises a one-line error naming it."""
+    if setting is None or setting is False or setting == 0 or setting == "off":
+        return None
+    if setting is True or setting == "on":
+        return BacktrackStates()
+    if isinstance(setting, BacktrackStates):
+        return setting
+    if isinstance(setting, str) and setting.isdigit():
+        setting = int(setting)
+    if isinstance(setting, int) and not isinstance(setting, bool):
+        return BacktrackStates(setting)
+    raise MarconiError(f"backtrack states must be on, off or a count per request, got {setting!r}")

@@ -1,0 +1,102 @@
+"""Backtrack states (`policy/rules/backtrack_states.py`) in SGLang's real cache and in the
+served-pools model, which call the one rule: a long replay leaves states at its chunk ends on
+probation, so a request that comes back to an earlier point of it lands near that point; at most
+B per request, never more states than upstream keeps; the two sides agree request by request."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sglang")
+
+from sglang_cpu import build_marconi_serving, run_request  # noqa: E402
+
+from sglang_marconi.policy.cost.model_profile import load_profile  # noqa: E402
+from sglang_marconi.policy.rules.backtrack_states import BacktrackStates, upstream_states  # noqa: E402
+from sglang_marconi.policy.tree.served_cache import ServedCache, ServedPools  # noqa: E402
+from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
+from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
+from sglang_marconi.sim.stress import agent_backtrack  # noqa: E402
+
+CHUNK = 128
+PROFILE = "nemotron-h-8b"
+
+
+class Pair:
+    """The served cache and its model, fed the same requests."""
+
+    def __init__(self, extra_buffer: bool, backtrack: int, kv: int = 20000, mamba: int = 40, alpha=0.0):
+        config = MarconiServingConfig(alpha=alpha, tune_workers=0, extra={"backtrack_states": backtrack})
+        self.cc, self.runtime = build_marconi_serving(config, profile=PROFILE, kv_size=kv, mamba_size=mamba,
+                                                      max_num_reqs=2, max_context_len=16384,
+                                                      extra_buffer=extra_buffer, chunked_prefill_size=CHUNK)
+        pools = ServedPools(kv, mamba, "extra_buffer" if extra_buffer else "no_buffer", CHUNK)
+        self.sim = ServedCache(load_profile(PROFILE), replace(pools, backtrack_states=backtrack), alpha)
+
+    def serve(self, tokens, out):
+        _, served = run_request(self.cc, list(tokens), len(out), chunk_size=CHUNK, out_tokens=list(out),
+                                chunk_end=chunk_end_for_branch, decode_at_once=True)
+        sim = self.sim.serve(np.asarray(tokens), np.asarray(out)).hit_tokens
+        return served, sim
+
+    def close(self):
+        self.cc.check_no_leak()
+        self.sim.check_invariants()
+        self.runtime.close()
+
+
+SYSTEM = list(range(1, 101))
+LONG = SYSTEM + list(range(1000, 1900))  # 1,000 tokens: a long replay from the system prompt
+OUT = list(range(50000, 50008))
+
+
+def backtrack_hits(extra_buffer: bool, backtrack: int):
+    pair = Pair(extra_buffer, backtrack)
+    assert pair.serve(SYSTEM + [7, 7], OUT) == (0, 0)  # the system prompt's state, as a branch
+    pair.serve(LONG, OUT)
+    back = LONG[:700] + list(range(9000, 9100))  # comes back to token 700 of the long trajectory
+    hits = pair.serve(back, OUT)
+    admitted = pair.sim.counters.backtrack_admitted
+    pair.close()
+    return hits, admitted
+
+
+@pytest.mark.parametrize("extra_buffer", [False, True])
+def test_a_return_to_an_earlier_point_lands_near_it(extra_buffer):
+    (served_off, sim_off), none = backtrack_hits(extra_buffer, 0)
+    (served_on, sim_on), admitted = backtrack_hits(extra_buffer, 3)
+    assert none == 0 and served_off == sim_off and served_on == sim_on
+    assert served_off <= 100  # without: only the system prompt's state lies before token 700
+    # with: the chunk-end states cut the 900-token replay in near-equal FLOP parts, B = 3 at most
+    assert 1 <= admitted <= 3
+    assert 400 <= served_on <= 700, served_on
+
+
+def test_never_more_than_b_nor_more_than_upstream_keeps():
+    flops = load_profile(PROFILE).prefill_flops
+    rule = BacktrackStates(2)
+    # chunk ends a third of the stretch's FLOPs apart, B = 2: the third is refused
+    assert rule.admits(420, 100, 100, 1000, 0, 1, 128, flops)
+    assert rule.admits(750, 420, 100, 1000, 1, 2, 128, flops)
+    assert not rule.admits(900, 750, 100, 1000, 2, 3, 128, flops)
+    # closer to the previous state than a third of the stretch: not worth a slot
+    assert not rule.admits(380, 100, 100, 1000, 0, 1, 128, flops)
+    # upstream keeps ceil(900 / 512) + 1 = 3 states: with 2 offered, none more (the final one is due)
+    assert upstream_states(1000, 100, 512) == 3
+    assert not rule.admits(750, 420, 100, 1000, 0, 2, 512, flops)
+    assert rule.admits(750, 420, 100, 1000, 0, 1, 512, flops)
+    # only inside the stretch
+    assert not rule.admits(1000, 420, 100, 1000, 0, 1, 128, flops)
+    assert not rule.admits(None, 420, 100, 1000, 0, 1, 128, flops)
+
+
+@pytest.mark.parametrize("extra_buffer", [False, True])
+def test_served_and_model_agree_request_by_request_with_the_rule_on(extra_buffer):
+    workload = list(agent_backtrack(sessions=3, steps=14, system=120, observation=(20, 300), max_input=2400))
+    pair = Pair(extra_buffer, 3, kv=4000, mamba=12)
+    served, sim = zip(*(pair.serve(r.input_tokens.tolist(), r.output_tokens.tolist()) for r in workload))
+    admitted = pair.sim.counters.backtrack_admitted
+    pair.close()
+    assert list(served) == list(sim)
+    assert admitted > 0  # the rule ran (and, agreeing, ran alike on both sides)

@@ -37,8 +37,8 @@ the request's input, in free room only; a hit confirms it, pressure evicts it fi
 
 from __future__ import annotations
 
-import functools
 import operator
+import types
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -127,6 +127,14 @@ class TreeCore:
     # Whether stateless single-child nodes fold away (the paper's compressed tree; SGLang's keeps them).
     _compressed = True
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # Where a configuration keeps the core's touch, or its state and leaf removal, the hot paths
+        # (a lookup's hit, an admission, an eviction) do them inline rather than through the hooks.
+        cls._core_touch = cls._touch is TreeCore._touch and cls._touch_hit is TreeCore._touch_hit
+        cls._core_removal = (cls._forget_state is TreeCore._forget_state and cls._remove_leaf is TreeCore._remove_leaf
+                             and cls._compress is TreeCore._compress)
+
     def _configure(self, profile, capacity_bytes: int, eviction: EvictionPolicy | None, tree, index, *,
                    checkpoint_grid: int = 1, state_slots: int | None = None, probation: bool = False,
                    flops=None, fixed_choice: bool = False, counters=None) -> None:
@@ -144,7 +152,7 @@ class TreeCore:
         self.tree = tree
         self.index = index
         touch = getattr(index, "touch", None)
-        self._stamp_recency = touch if touch is not None else functools.partial(_stamp_recency, index)
+        self._stamp_recency = touch if touch is not None else types.MethodType(_stamp_recency, index)
         self.kv_tokens = 0
         self.ssm_states = 0
         self.clock = 0.0
@@ -187,8 +195,12 @@ class TreeCore:
         self._evicts_single_child = eviction.evicts_single_child_nodes
         value = getattr(eviction, "node_value", None)
         # The candidate index's second column: FLOP efficiency, unless the policy brings its own.
-        self._node_value = self.flop_efficiency if value is None else functools.partial(value, self)
+        # (a bound method, not a partial: the interpreter calls it without a C-level hop)
+        self._node_value = self.flop_efficiency if value is None else types.MethodType(value, self)
         self._value_reaches_up = getattr(eviction, "value_reaches_up", False)
+        self._refresh_matched_path = eviction.refresh_matched_path
+        # A rule that learns from the stream is told of each admission (`observe_request`).
+        self._observes = type(eviction).observe_request is not EvictionPolicy.observe_request
         self._refresh_every_locked = self._lock_refreshes_unlisted or self._value_reaches_up
         fixed_lowest = self._fixed_choice and type(eviction).choose in _CHOOSE_LOWEST
         self._alpha = getattr(eviction, "alpha", 0.0) if fixed_lowest else None
@@ -256,7 +268,7 @@ class TreeCore:
             self._stamp_recency(node.slot, self.clock)
 
     def _touch_hit(self, path: list, hit_node) -> None:
-        if self.eviction.refresh_matched_path:
+        if self._refresh_matched_path:
             for node in path:
                 self._touch(node)
         elif hit_node is not self.tree.root:
@@ -274,7 +286,8 @@ class TreeCore:
         self.kv_tokens += leaf.end - parent.end
         leaf.last_access = self.clock
         self._refresh(leaf)
-        self._refresh(parent)
+        if parent is not self.tree.root:  # the root is never a candidate
+            self._refresh(parent)
         return leaf
 
     def _compress(self, node) -> None:
@@ -318,26 +331,32 @@ class TreeCore:
 
     # -- eviction --------------------------------------------------------------------------------
     def _make_room(self, kv_bytes: int, new_states: int) -> bool:
-        kv_per = self.kv_bytes_per_token
-        if self.state_slots is None:
-            needed = kv_bytes + new_states * self.ssm_state_bytes
-            if needed > self.capacity_bytes:
+        """Evict until `kv_bytes` more KV and `new_states` more states fit; False (nothing
+        evicted) for a request that could never fit, or if the candidates ran out."""
+        kv_per, state_bytes = self.kv_bytes_per_token, self.ssm_state_bytes
+        if self.state_slots is None:  # one budget: what is cached must fit in what the request leaves
+            kv_room = self.capacity_bytes - kv_bytes - new_states * state_bytes
+            state_room = None
+        else:
+            kv_room = self.capacity_bytes - kv_bytes
+            state_room = self.state_slots - new_states
+            if state_room < 0:
                 return False
-            while self.capacity_bytes - self.kv_tokens * kv_per - self.ssm_states * self.ssm_state_bytes < needed:
-                if not self._evict_one():
-                    return False
-            return True
-        kv_room = self.capacity_bytes - kv_bytes
-        state_room = self.state_slots - new_states
-        if kv_room < 0 or state_room < 0:
+        if kv_room < 0:
             return False
-        while self.kv_tokens * kv_per > kv_room or self.ssm_states > state_room:
-            if not self._evict_one():
+        index, alpha = self.index, self._alpha
+        while (self.kv_tokens * kv_per + self.ssm_states * state_bytes > kv_room if state_room is None
+               else self.kv_tokens * kv_per > kv_room or self.ssm_states > state_room):
+            # `_evict_one`, inline: the shadows' hot loop
+            if self.probation and self._probation and self._evict_probationary():
+                continue
+            if not index.items:
                 return False
+            self.evict(self.eviction.choose(index) if alpha is None else index.lowest(alpha))
         return True
 
     def _evict_one(self) -> bool:
-        if self._probation and self._evict_probationary():
+        if self.probation and self._probation and self._evict_probationary():
             return True
         if not self.index.items:
             return False
@@ -352,15 +371,34 @@ class TreeCore:
     def evict(self, node) -> None:
         """Evict one candidate: a leaf frees its KV and state; a single-child node frees its
         state and its edge is absorbed by its child."""
-        assert node.slot >= 0, f"{node!r} is not an eviction candidate"
-        self._drop(node)
+        slot = node.slot
+        assert slot >= 0, f"{node!r} is not an eviction candidate"
+        moved = self.index.remove(slot)  # `_drop`
+        if moved is not None:
+            moved.slot = slot
+        node.slot = -1
+        core = self._core_removal
         if node.has_state:
-            self._forget_state(node)
+            if core:  # `_forget_state`
+                if self.probation:
+                    self._probation.forget(node)
+                node.has_state = False
+                self.ssm_states -= 1
+            else:
+                self._forget_state(node)
         if node.children:
             self.counters.evictions_single_child += 1
             self._refresh(self.tree.merge_into_child(node))
             return
         self.counters.evictions_leaf += 1
+        if core:  # `_remove_leaf` of a stateless leaf, then `_compress`'s test
+            self.kv_tokens -= node.end - node.parent.end
+            parent = self.tree.remove_leaf(node)
+            if parent is not self.tree.root:  # the root is never a candidate
+                self._refresh(parent)
+            if not parent.lock_count and not parent.has_state and len(parent.children) == 1:
+                self._compress(parent)
+            return
         parent = self._remove_leaf(node)
         self._refresh(parent)
         self._compress(parent)
@@ -384,18 +422,25 @@ class TreeCore:
         (hit tokens, branch position to checkpoint during prefill or None, hit node). At least one
         input token is always left to prefill."""
         limit = input_len - 1
-        hit_node = self.tree.root
+        hit_node = root = self.tree.root
         attention_only = self.attention_only
         for node in path:
             if node.end > limit:
                 break
             if node.has_state or attention_only:
                 hit_node = node
-        self._touch_hit(path, hit_node)
+        if self._core_touch and not self._refresh_matched_path:  # `_touch_hit`: the node hit alone
+            if hit_node is not root:
+                self.clock = clock = self.clock + 1.0
+                hit_node.last_access = clock
+                if hit_node.slot >= 0:
+                    self._stamp_recency(hit_node.slot, clock)
+        else:
+            self._touch_hit(path, hit_node)
         if attention_only:  # no SSM layers: any cached prefix is reusable, mid-edge too
             hit = overlap if overlap < limit else limit
             return hit - hit % self.tree.page_size, None, hit_node
-        if self._probation:
+        if self.probation and self._probation:
             self._probation.confirm(hit_node)  # a hit confirms a probationary state
         hit = hit_node.end
         branch = self._branch_target(path, partial, overlap, limit)
@@ -429,7 +474,7 @@ class TreeCore:
         positions = self._admitted_positions(n, checkpoint_at)
         new_states = 0
         for pos in positions:
-            if not _state_on(path, pos):
+            if not (path and _state_on(path, pos)):
                 new_states += 1
         # Lock what the request reuses, the nodes it matched whole (as SGLang locks a running
         # request's prefix), not the edge it leaves mid-way: that edge (another request's private
@@ -459,15 +504,24 @@ class TreeCore:
             elif partial:
                 spine.append(partial)
             admitted = 0
+            core_touch = self._core_touch
             for pos in positions:
-                node = self._node_on(spine, pos)
+                node = spine[-1]  # the request's end is the deepest node's (`_node_on`'s first look)
+                if node.end != pos:
+                    node = self._node_on(spine, pos)
                 if not node.has_state:
                     node.has_state = True
                     self.ssm_states += 1
                     admitted += 1
-                elif self._probation:
+                elif self.probation and self._probation:
                     self._probation.confirm(node)  # a regular state where a probationary one was
-                self._touch(node)
+                if core_touch:  # `_touch`
+                    self.clock = clock = self.clock + 1.0
+                    node.last_access = clock
+                    if node.slot >= 0:
+                        self._stamp_recency(node.slot, clock)
+                else:
+                    self._touch(node)
                 self._refresh(node)
             if (self.probation and probation_at is not None and positions and 0 < probation_at < n
                     and probation_at % self.tree.page_size == 0 and probation_at not in positions):
@@ -476,7 +530,8 @@ class TreeCore:
         finally:
             if deepest is not None:
                 self.unlock(deepest)
-            self.eviction.observe_request(self, request, n)  # a rule that learns from the stream (`eviction/depth.py`)
+            if self._observes:
+                self.eviction.observe_request(self, request, n)  # a rule that learns from the stream (`eviction/depth.py`)
 
     def _node_on(self, spine: list, pos: int):
         """The node ending at `pos` on the admitted path (`spine`, root side first), its edge split

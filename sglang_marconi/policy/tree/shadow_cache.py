@@ -122,7 +122,8 @@ class ReferencedTree:
     def add_leaf(self, parent: ShadowNode, match: SharedMatch, start: int, end: int) -> ShadowNode:
         """A leaf holding match.seq[start:end] (its key is the request's, shared by every shadow)."""
         key = match.key(start)
-        leaf = self._new_node(parent, key, match.seq, start, end)
+        leaf = ShadowNode(parent, key, match.seq, start, end, self._next_id)  # `_new_node`, inline: once per request
+        self._next_id += 1
         parent.children[key] = leaf
         return leaf
 
@@ -216,7 +217,10 @@ class ShadowCache(TreeCore):
         seq, input_len = match.seq, match.input_len
         walk = self._walk(match, len(seq) - len(seq) % page)
         self._walked = (match, walk)
-        path, partial, _, overlap = self._input_part(walk, input_len - input_len % page)
+        n_in = input_len - input_len % page
+        path, partial, _, overlap = walk
+        if partial is not None or (path and path[-1].end > n_in):  # else the walk stops within the input
+            path, partial, _, overlap = self._input_part(walk, n_in)
         hit, checkpoint_at, _ = self._hit(path, partial, overlap, input_len)
         return hit, checkpoint_at
 

@@ -7,7 +7,7 @@ victim is the one `CandidateIndex.lowest` picks, for less per operation.
   needs them (a subnormal span, below): same values, same slots.
 - `lowest` on a few candidates (a contended cache holds a handful: the shadows of a 1 GB cache
   hold about six) scores them in plain Python floats instead of several numpy calls, with the
-  same rule (`policy/rules/score.py`: `score.scorer` on each candidate, `score.lowest_slot` over
+  same rule (`policy/rules/score.py`: `score.score_each`, `scorer` over lists, `score.lowest_slot` over
   the list): each score is the reference's bit for bit (the rule rounds each operation on its
   own, in Python as in numpy), exact ties to the smallest tie key.
 """
@@ -130,6 +130,6 @@ class SmallCandidateIndex(CandidateIndex):
             scores = recency
         else:
             value = self.value
-            scorer = score.scorer(score.scale(min(recency), max(recency), min(value), max(value), alpha))
-            scores = list(map(scorer, recency, value))
+            scores = score.score_each(score.scale(min(recency), max(recency), min(value), max(value), alpha),
+                                      recency, value)
         return self.items[score.lowest_slot(scores, self.least_key)]

@@ -80,6 +80,8 @@ def test_never_more_than_b_nor_more_than_upstream_keeps():
     assert rule.admits(420, 100, 100, 1000, 0, 1, 128, flops)
     assert rule.admits(750, 420, 100, 1000, 1, 2, 128, flops)
     assert not rule.admits(900, 750, 100, 1000, 2, 3, 128, flops)
+    assert rule.admits(1350, 900, 100, 1400, 1, 3, 128, flops)  # far enough apart: only B refuses it
+    assert not rule.admits(1350, 900, 100, 1400, 2, 3, 128, flops)
     # closer to the previous state than a third of the stretch: not worth a slot
     assert not rule.admits(380, 100, 100, 1000, 0, 1, 128, flops)
     # upstream keeps ceil(900 / 512) + 1 = 3 states: with 2 offered, none more (the final one is due)
@@ -93,7 +95,8 @@ def test_never_more_than_b_nor_more_than_upstream_keeps():
 
 @pytest.mark.parametrize("extra_buffer", [False, True])
 def test_served_and_model_agree_request_by_request_with_the_rule_on(extra_buffer):
-    workload = list(agent_backtrack(sessions=3, steps=14, system=120, observation=(20, 300), max_input=2400))
+    workload = list(agent_backtrack(sessions=3, steps=14, system=120, observation=(100, 500), max_input=3000,
+                                    backtrack=0.5))
     pair = Pair(extra_buffer, 3, kv=4000, mamba=12)
     served, sim = zip(*(pair.serve(r.input_tokens.tolist(), r.output_tokens.tolist()) for r in workload))
     admitted = pair.sim.counters.backtrack_admitted

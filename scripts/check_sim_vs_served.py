@@ -122,6 +122,10 @@ class Report:
                f"{100 * self.served_hits / max(1, self.input_tokens):.2f}%)"]
         if c["alpha"] == "auto":
             out.append(f"choices adopted (request, choice): served {c['served_choices']}, simulated {c['sim_choices']}")
+            if c.get("tuner_s"):
+                out.append("tuner time per request (its own timing): "
+                           + ", ".join(f"{side} {1e3 * s / max(1, self.requests):.2f} ms"
+                                       for side, s in c["tuner_s"].items()))
         if c.get("hints"):
             out.append(f"cache hints (granted / kept anyway / refused / replaced / expired): "
                        + "; ".join(f"{side} " + " / ".join(str(v) for v in counts.values())
@@ -293,6 +297,9 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
             tuner.observe(r.session_id, r.input_tokens, out[:-1])
             shadow_hits.append(tuner.last_hits[tuner_choice])
     wall = time.perf_counter() - started
+    tuner_s = None
+    if tuned:  # the tuner's own timing (`TunerLog.seconds`): the served one runs inline here
+        tuner_s = {"served": runtime.tuner.tuner.log.seconds, "simulated": policy.tuner.log.seconds}
     runtime.close()
     cc.check_no_leak()
     hints = None
@@ -317,7 +324,7 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
     return Report(
         config={"workload": workload_name, "model": profile_name, "kv_tokens": kv_tokens, "mamba_slots": mamba_slots,
                 "strategy": strategy, "chunk": chunk, "alpha": alpha, "probation": probation,
-                "served_choices": served.choices, "sim_choices": sim.choices, "hints": hints},
+                "served_choices": served.choices, "sim_choices": sim.choices, "hints": hints, "tuner_s": tuner_s},
         requests=len(requests), agree=int((a == b).sum()), served_hits=int(a.sum()), sim_hits=int(b.sum()),
         input_tokens=int(sum(r.input_len for r in requests)), first=first, wall_s=wall, shadow=shadow)
 

@@ -197,10 +197,11 @@ def test_tuner_runs_the_depth_choices_and_the_live_cache_reads_its_record():
     assert tuner.record.finished == len(seqs)  # the live cache reads the tuner's record, never feeds it
 
 
-def test_the_served_tuner_runs_no_depth_choice():
-    config = ShadowConfig().with_depth()
-    spec = TunerSpec("hybrid", ToyProfile(), 600, config, dict(served=object()))
-    assert not any(str(c).startswith("depth") for c in spec.choices)
+def test_the_served_tuner_runs_the_simulators_depth_choices():
+    spec = TunerSpec("hybrid", ToyProfile(), 600, ShadowConfig(), dict(served=object()))
+    assert spec.choices == ShadowConfig().with_depth().choices
+    named = ShadowConfig().with_depth((2.0,), auto=False)  # a configuration that names its own is kept
+    assert TunerSpec("hybrid", ToyProfile(), 600, named, dict(served=object())).choices == named.choices
 
 
 def _conversation_workload(n=600, seed=8):

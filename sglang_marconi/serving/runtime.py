@@ -24,7 +24,9 @@ PD transfer) leaves nothing behind here.
 The shadows are the model of the served cache (`policy/tree/served_cache.py`) on what the live cache was
 given (`served_pools`: the KV pool's tokens and the Mamba pool's slots, scaled by the sample rate,
 the Mamba strategy, chunked prefill): at sample rate 1 the shadow of the choice in force predicts
-the live cache's hits request by request (`scripts/check_sim_vs_served.py --shadows`). Under
+the live cache's hits request by request (`scripts/check_sim_vs_served.py --shadows`). Their
+choices include the depth-aware ones (`shadow_tuner.served_config`): each shadow, and the live cache
+on every rank, records finished sequences from the first request (`live_record_for`). Under
 `--enable-unified-memory` (or pages > 1, or upstream's admission), which the model does not cover,
 they run the policy core's budgets instead (`shadow_budget`: the one byte budget both kinds share).
 """
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_marconi.policy.tuning.shadow_tuner import Choice, record_adopted_at, sync_point_of
+from sglang_marconi.policy.tuning.shadow_tuner import Choice, live_record_for, record_adopted_at, sync_point_of
 from sglang_marconi.policy.tuning.tuner_spec import TunerSpec
 from sglang_marconi.serving.cache_state import request_state
 from sglang_marconi.serving.lockstep import Directive, GroupChannel, LocalChannel, RankGroup
@@ -143,6 +145,8 @@ class MarconiRuntime:
         if self._tuning:
             self.choices = self.tuner_spec(cache).choices
             self.settings.choice = self.tuner_spec(cache).start
+            # every rank's cache, which may adopt a depth choice, records the stream from its first request
+            self.settings.continuation = live_record_for(self.choices)
             if self.group.is_leader:
                 self.tuner = self._start_tuner(cache)
 

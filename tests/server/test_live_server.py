@@ -288,7 +288,12 @@ def test_tuner_choice_and_shadow_scores_are_served(server):
         tuner_caught_up()
     generate(server.url, system + tokens(799, 15), max_new_tokens=4)
     figures = marconi_figures(server.url)
-    expected = {choice_label(c) for c in MarconiServingConfig().tuning().choices}
+    from sglang_marconi.policy.tuning.shadow_tuner import served_config
+
+    # the depth choices where the shadows model SGLang's pools (not on pages > 1 nor one byte budget)
+    models_pools = server.page_size == 1 and not internal_state(server.url).get("enable_unified_memory")
+    tuning = MarconiServingConfig().tuning()
+    expected = {choice_label(c) for c in (served_config(tuning) if models_pools else tuning).choices}
     assert figures["marconi_tuning_failures"] == 0 and figures["marconi_tuner_requests_dropped"] == 0
     scores = figures["marconi_shadow_scores"]
     assert set(scores) == expected and len(expected) > 2

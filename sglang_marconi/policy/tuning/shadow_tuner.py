@@ -11,10 +11,12 @@ shadow cache per candidate choice, all kept running on the same sample of sessio
 - Candidates: SGLang's LRU, FLOP-aware eviction at each alpha of the grid (alpha = 0 is its own
   choice: LRU over Marconi's candidates, refreshing only the node hit), SegLen-style eviction
   at each of its weights (`eviction/seglen.py`), and depth-aware eviction at each exponent and
-  with the exponent learned (`eviction/depth.py`; over the policy core's caches only). The depth
+  with the exponent learned (`eviction/depth.py`). Over the policy core's caches the depth
   choices read one record of finished sequences (`rules/continuation.py`) that the tuner feeds
   with every request it is given, after its caches served it; the live cache adopting one reads
-  the same record (`adopt_choice`).
+  the same record (`adopt_choice`). Over the model of SGLang's cache (`served`) every cache keeps
+  its own record from the first request it serves, fed with what its own last insert kept, as
+  SGLang's cache feeds its own (`served_config`, `live_record_for`).
 - Evidence (`Evidence`): per candidate, exponentially decayed sums of what its shadow saved on
   each sampled request (prefill FLOPs, `objective="flops"`, or hit tokens) over a long window
   (`half_life` sampled requests) and a short one (`guard_half_life`), from the fork on, beside
@@ -169,7 +171,8 @@ class ShadowConfig:
     alpha_grid: tuple[float, ...] = DEFAULT_ALPHA_GRID
     seglen_weights: tuple[float, ...] = DEFAULT_SEGLEN_WEIGHTS  # SegLen-style candidates (may be empty)
     # Depth-aware candidates (`eviction/depth.py`): at each of these B, and the one that learns B.
-    # Off unless asked for (`with_depth`; the simulator's tuned configuration asks: `sim/tuning.py`).
+    # Off unless asked for (`with_depth`; the simulator's tuned configuration asks, `sim/tuning.py`,
+    # and a tuner over the model of SGLang's cache, `served_config`).
     depth_exponents: tuple[float, ...] = ()
     depth_auto: bool = False
     lru: bool = True  # SGLang's LRU is a candidate too (and the starting choice: the safe one)
@@ -233,8 +236,7 @@ class ShadowConfig:
         return replace(self, depth_exponents=tuple(exponents), depth_auto=auto)
 
     def without_depth(self) -> ShadowConfig:
-        """This configuration without the depth-aware choices (for caches that do not run them:
-        the model of SGLang's cache)."""
+        """This configuration without the depth-aware choices."""
         return replace(self, depth_exponents=(), depth_auto=False) if self.has_depth else self
 
     @property
@@ -244,6 +246,31 @@ class ShadowConfig:
         if self.lru:
             return LRU
         return self.alpha_grid[0] if self.alpha_grid else self.choices[0]
+
+
+def served_config(config: ShadowConfig) -> ShadowConfig:
+    """The configuration a tuner over the model of SGLang's cache runs (`ShadowTuner(served=...)`,
+    `TunerSpec`): `config` with the depth-aware choices unless it names some, the choices the
+    simulator's tuned configuration carries (`sim/tuning.py`)."""
+    return config if config.has_depth else config.with_depth()
+
+
+def live_record_for(choices) -> ContinuationRecord | None:
+    """The record of finished sequences a served cache tuned over `choices` keeps from its first
+    request (a new one), or None: a cache that may adopt a depth choice must hold the stream from
+    the start, as the tuner's served shadows do, or the rule would rank by a shorter history than
+    the shadow that predicted it. The served runtime (`serving/runtime.py`, every rank) and the
+    simulator's model of it (`sim/baselines/served.py`) both ask here."""
+    return ContinuationRecord() if any(map(is_depth_choice, choices)) else None
+
+
+def served_model(profile, pools: ServedPools, choice, *, probation: bool, record: bool) -> ServedCache:
+    """A model of SGLang's cache for a tuner (`record`: keeping its record of finished sequences
+    from its first request; copies made from it keep feeding theirs)."""
+    cache = ServedCache(profile, pools, choice, probation=probation)
+    if record and cache.continuation is None:
+        cache.continuation = ContinuationRecord()
+    return cache
 
 
 @dataclass
@@ -270,10 +297,10 @@ class ShadowTuner:
         keeps probationary states (`HybridPrefixCache`), so the shadows do too. `served`: the live
         cache is SGLang's (its pools, strategy and chunking): every shadow is then the model of
         the served cache (`ServedCache`, `ServedShadow`) on those pools scaled by the sample rate,
-        and `capacity_bytes`, `state_slots`, `checkpoint_grid` are not used (nor the depth-aware
-        choices, which the model of SGLang's cache does not run)."""
+        each keeping its own record of finished sequences from the first request, the choices
+        are `served_config`'s, and `capacity_bytes`, `state_slots`, `checkpoint_grid` are not used."""
         if served is not None:
-            config = config.without_depth()
+            config = served_config(config)
         self.profile = profile
         self.config = config
         self.choices = config.choices
@@ -283,17 +310,20 @@ class ShadowTuner:
         self.flops = FlopsTable(profile)  # every cache of this tuner refreshes the same spans
         # The record of finished sequences every depth-aware cache of this tuner reads (and the live
         # cache, handed it by `adopt_choice`): fed here, once per request, after the caches served it.
-        self.record = ContinuationRecord() if config.has_depth else None
+        # Served models feed their own (`served_model`): what each keeps differs.
+        self.record = ContinuationRecord() if config.has_depth and served is None else None
         rate = config.sample_rate
         self.mini: _Miniatures | None = None
         self._prior: int | None = None  # the miniatures' verdict, once they stopped
         if served is not None:
-            self.shared = ServedShadow(ServedCache(profile, served.scaled(rate), config.start, probation=probation),
-                                       shared=True)
+            depth = config.has_depth
+            self.shared = ServedShadow(served_model(profile, served.scaled(rate), config.start, probation=probation,
+                                                    record=depth), shared=True)
             self.shadows = []
             if config.prior_scale > 0:
-                self.mini = _Miniatures(self, ServedShadow(ServedCache(
-                    profile, served.scaled(rate * config.prior_scale), config.start, probation=probation), shared=True))
+                self.mini = _Miniatures(self, ServedShadow(served_model(
+                    profile, served.scaled(rate * config.prior_scale), config.start, probation=probation,
+                    record=depth), shared=True))
         else:
             shadow_bytes = int(capacity_bytes * rate)
             shadow_slots = None if state_slots is None else max(2, round(state_slots * rate))
@@ -504,7 +534,8 @@ class ShadowTuner:
             donor = self.shadows[donor_index]
             for v in dropped:
                 eviction = eviction_for(self.choices[v], self.record)
-                self.shadows[v] = restore_shadow(self.profile, donor.snapshot(), eviction, flops=self.flops)
+                self.shadows[v] = restore_shadow(self.profile, donor.snapshot(), eviction, flops=self.flops,
+                                                 record=self._safe_record())
                 ev.copy_arm(donor_index, v)
                 self.since.copy_arm(donor_index, v)
             self.log.revived += len(dropped)
@@ -517,6 +548,10 @@ class ShadowTuner:
             if ev.lead(lead, v, LONG, c.prune_margin, c.z, False) and ev.lead(lead, v, SHORT, c.prune_margin, 0.0, False):
                 self.shadows[v] = None
                 self.log.pruned += 1
+
+    def _safe_record(self) -> ContinuationRecord | None:
+        """The safe choice's shadow's own record of finished sequences (served models only)."""
+        return self.shadows[0].cache.continuation if self.served is not None else None
 
     def leader(self) -> int:
         """Index of the choice that leads the long window: among those within `tie` x potential
@@ -572,8 +607,8 @@ class _Verifier:
         self.capacity_bytes = capacity_bytes
         safe = tuner.config.start
         if tuner.served is not None:
-            anchor = ServedShadow(ServedCache(tuner.profile, tuner.served.scaled(self.rate), safe,
-                                              probation=tuner.probation))
+            anchor = ServedShadow(served_model(tuner.profile, tuner.served.scaled(self.rate), safe,
+                                              probation=tuner.probation, record=tuner.config.has_depth))
         else:
             anchor = ShadowCache(tuner.profile, capacity_bytes, eviction_for(safe), flops=tuner.flops, **self._kw)
         self.arms: list[tuple[int, ShadowCache | ServedShadow]] = [(0, anchor)]
@@ -584,6 +619,10 @@ class _Verifier:
         self._since_decision = 0
         self._held = 0.0
         self._blocked_until = np.zeros(len(tuner.choices))  # a turned-down proposal waits (requests)
+
+    def _anchor_record(self) -> ContinuationRecord | None:
+        anchor = self.arms[0][1]
+        return anchor.cache.continuation if isinstance(anchor, ServedShadow) else None
 
     def trial_choice(self) -> int | None:
         return None if self.trial is None else self.arms[self.trial][0]
@@ -600,7 +639,8 @@ class _Verifier:
             return
         parent = self.arms[self.mirror if self.mirror is not None else 0][1]
         eviction = eviction_for(self.tuner.choices[choice], self.tuner.record)
-        cache = restore_shadow(self.tuner.profile, parent.snapshot(), eviction, flops=self.tuner.flops)
+        cache = restore_shadow(self.tuner.profile, parent.snapshot(), eviction, flops=self.tuner.flops,
+                               record=self._anchor_record())
         self.arms.append((choice, cache))
         self.trial = len(self.arms) - 1
         self.trial_started = self.tuner.log.requests
@@ -689,12 +729,32 @@ def fork_shadows(profile, shared: _SharedShadow, choices, match: SharedMatch, ch
     return shadows
 
 
-def restore_shadow(profile, snap, eviction: EvictionPolicy, *, flops: FlopsTable | None = None):
+def restore_shadow(profile, snap, eviction: EvictionPolicy, *, flops: FlopsTable | None = None,
+                   record: ContinuationRecord | None = None):
     """A shadow cache under `eviction` from another's `snapshot()`: a `ShadowCache`, or a copy of a
-    served shadow's model (`ServedShadow`)."""
+    served shadow's model (`ServedShadow`, `served_copy`; `record`: what a depth choice copied from
+    a model without a record reads instead)."""
     if isinstance(snap, ServedCache):
-        return ServedShadow(snap.copy(choice_of(eviction)))
+        return ServedShadow(served_copy(snap, choice_of(eviction), record))
     return ShadowCache.from_snapshot(profile, snap, eviction, flops=flops)
+
+
+def served_copy(cache: ServedCache, choice: Choice, record: ContinuationRecord | None = None) -> ServedCache:
+    """A copy of a tuner's served model under `choice`. Only the caches that read their record of
+    finished sequences keep one (a copy): the depth choices, and the safe choice (LRU), which is
+    never dropped from the race and lends its record (`record`) to a depth choice revived from a
+    shadow without one. The others feed none: a record costs about a quarter of a model's request."""
+    kept, rule = cache.continuation, cache.depth_rule
+    cache.continuation = cache.depth_rule = None  # the record is not deep-copied: copied below where kept
+    try:
+        clone = cache.copy()
+    finally:
+        cache.continuation, cache.depth_rule = kept, rule
+    if is_depth_choice(choice) or choice == LRU:
+        source = kept if kept is not None else record
+        clone.continuation = source.copy() if source is not None else None
+    clone.set_choice(choice)
+    return clone
 
 
 def choice_of(eviction: EvictionPolicy) -> Choice:

@@ -4,9 +4,8 @@ scheduler thread or sends it to the tuner's background process, which builds it 
 - `kind="hybrid"`: the shadow tuner over hybrid (SSM) caches (`shadow_tuner.ShadowTuner`: LRU,
   FLOP-aware eviction at each alpha, SegLen, depth-aware eviction), modelling the served pools
   (`state_slots`), grid, pages and probation; over the model of SGLang's cache (`served` in the
-  options) without the depth-aware choices: the served cache runs them fixed
-  (`--marconi-eviction depth:B`), but the tuner's served shadows keep no record of finished
-  sequences from the first request, so they could not predict them (`ShadowTuner` drops them too);
+  options) with the choices `shadow_tuner.served_config` gives, the depth-aware ones included, as
+  the `ShadowTuner` it builds runs them;
 - `kind="window"`: alpha tuning of the sliding-window cache (`window_tuner.WindowTuner`).
 
 Both expose the same interface: `observe(session_key, input, output)`, `current` (the choice in
@@ -29,8 +28,10 @@ class TunerSpec:
     options: dict = field(default_factory=dict)  # the tuner's keyword arguments
 
     def __post_init__(self):
-        if self.kind == "hybrid" and self.options.get("served") is not None and hasattr(self.config, "without_depth"):
-            object.__setattr__(self, "config", self.config.without_depth())  # the choices the tuner will run
+        if self.kind == "hybrid" and self.options.get("served") is not None:
+            from sglang_marconi.policy.tuning.shadow_tuner import served_config
+
+            object.__setattr__(self, "config", served_config(self.config))  # the choices the tuner will run
 
     @property
     def choices(self) -> tuple:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from sglang_marconi.policy.tree.served_cache import ServedCache, ServedPools
-from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, ShadowTuner, ServedTuning, eviction_for
+from sglang_marconi.policy.tuning.shadow_tuner import (ShadowConfig, ShadowTuner, ServedTuning, eviction_for,
+                                                       live_record_for)
 from sglang_marconi.sim.policy_api import Outcome, PolicyStats
 from sglang_marconi.sim.workload import Request
 
@@ -35,6 +36,8 @@ class ServedPolicy:
             choice = self.tuner.current
         self.sync_every = sync_every
         self.cache = ServedCache(profile, pools, choice, probation=probation, record=record)
+        if self.tuner is not None:  # as the served runtime's cache, from the first request
+            self.cache.continuation = live_record_for(self.tuner.choices)
         self.served = 0
         self.history = [(0, choice)]  # (request index, choice adopted)
         self.hits: list[int] = []

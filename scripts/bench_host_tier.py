@@ -11,6 +11,16 @@ rate split into device and host hits, the ablation "Marconi's device eviction wi
 write-back rule" (what the tier rule alone is worth), states lost (dropped at a device eviction
 or evicted by the host), GB loaded back and the MODELED p95 TTFT with load backs (A100-80GB).
 Prints markdown tables; writes JSON and a PNG.
+
+    python scripts/bench_host_tier.py --grid [--jobs 2] [--out out/host]
+
+The Mooncake grid: profiles paper-7b and nemotron-h-8b, device 50 / 100 / 200 GB, host 2x / 5x /
+10x the device; per cell the token hit % of LRU write-back (SGLang+: LRU device,
+`UpstreamWriteBack`, LRU host), Marconi's tier rule (`MarconiTiering`: demote or drop, the host
+ranked by recency + FLOPs saved per byte; device LRU, so the tier rule alone differs) and the
+tier rule with the continuation signal (`MarconiTiering(depth="auto")`: the host ranked by
+age / (1 + depth)^B, B fitted from the record; device `depth:auto`). No tuner: every run is a
+fixed rule, so a cell's difference is the rule's.
 """
 
 from __future__ import annotations
@@ -23,10 +33,11 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_marconi.policy.rules.eviction import FlopAwareEviction
+from sglang_marconi.policy.rules.eviction import FlopAwareEviction, LruLeafEviction
+from sglang_marconi.policy.rules.eviction.depth import CalibratedDepthEviction
 from sglang_marconi.policy.cost.model_profile import load_profile
 from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig
-from sglang_marconi.policy.rules.tier_rules import UpstreamWriteBack
+from sglang_marconi.policy.rules.tier_rules import MarconiTiering, UpstreamWriteBack
 from sglang_marconi.sim.baselines.tiered_radix import TieredRadixPolicy
 from sglang_marconi.sim.policies import build_policy
 from sglang_marconi.sim.replay import replay
@@ -44,6 +55,66 @@ DEVICE_GB = {
 }
 HOST_RATIOS = (0, 2, 6)
 ABLATION = "marconi/wb"  # Marconi's tuned device eviction, upstream's write-back rule
+GRID_PROFILES = ("paper-7b", "nemotron-h-8b")
+GRID_DEVICE_GB = (50, 100, 200)
+GRID_HOST_RATIOS = (2, 5, 10)
+GRID_POLICIES = ("lru-write-back", "tier-rule", "tier-rule+depth")
+
+
+def grid_policy(name: str, profile, cap: int, host: int) -> TieredRadixPolicy:
+    """One of `GRID_POLICIES` at device `cap` and host `host` bytes (fixed rules, no tuner)."""
+    if name == "lru-write-back":
+        return TieredRadixPolicy(name, profile, cap, host, UpstreamWriteBack(), LruLeafEviction())
+    if name == "tier-rule":
+        return TieredRadixPolicy(name, profile, cap, host, MarconiTiering(1.0), FlopAwareEviction(0.0))
+    if name == "tier-rule+depth":
+        return TieredRadixPolicy(name, profile, cap, host, MarconiTiering(depth="auto"), CalibratedDepthEviction())
+    raise ValueError(f"unknown grid policy {name!r}; choose from {', '.join(GRID_POLICIES)}")
+
+
+def grid_cell(args) -> dict:
+    profile_name, device_gb, ratio = args
+    workload, profile = load("mooncake"), load_profile(profile_name)
+    cap = int(device_gb * 1e9)
+    host = cap * ratio
+    hits = {}
+    for name in GRID_POLICIES:
+        run = replay(workload, grid_policy(name, profile, cap, host), profile, cap, progress=False)
+        hits[name] = figures(run)
+    return {"profile": profile_name, "device_gb": device_gb, "host_gb": host / 1e9, "ratio": ratio, "runs": hits}
+
+
+GRID_HEADER = ("| profile | device | host | LRU write-back hit% (device + host) | tier rule hit% | "
+               "tier rule + depth hit% | Δ tier rule | Δ + depth |\n|---|---|---|---|---|---|---|---|")
+
+
+def grid_row(c) -> str:
+    r = c["runs"]
+    lru, tier, depth = (r[n] for n in GRID_POLICIES)
+    pct = lambda f: f"{100 * f['hit']:.2f} ({100 * f['device_hit']:.2f} + {100 * f['host_hit']:.2f})"  # noqa: E731
+    return (f"| {c['profile']} | {c['device_gb']:g} GB | {c['host_gb']:g} GB ({c['ratio']}x) | {pct(lru)} "
+            f"| {pct(tier)} | {pct(depth)} | {100 * (tier['hit'] - lru['hit']):+.2f} "
+            f"| {100 * (depth['hit'] - lru['hit']):+.2f} |")
+
+
+def run_grid(out: Path, jobs: int) -> int:
+    from concurrent.futures import ProcessPoolExecutor
+
+    if not MOONCAKE.exists():
+        print(f"the grid needs the Mooncake trace: {MOONCAKE} not found", file=sys.stderr)
+        return 2
+    cells = [(p, gb, r) for p in GRID_PROFILES for gb in GRID_DEVICE_GB for r in GRID_HOST_RATIOS]
+    print(f"machine: {machine()}, Python {platform.python_version()}; Mooncake grid, {len(cells)} cells, "
+          f"{jobs} processes\n\n{GRID_HEADER}", flush=True)
+    started = time.perf_counter()
+    with ProcessPoolExecutor(jobs) as pool:
+        results = list(pool.map(grid_cell, cells))
+    for c in results:
+        print(grid_row(c))
+    print(f"\n{time.perf_counter() - started:.0f} s")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_host_tier_grid.json").write_text(json.dumps(results, indent=1))
+    return 0
 
 
 def load(name):
@@ -146,7 +217,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the first device capacity of each workload only")
     ap.add_argument("--only", help="comma list of workloads (" + ",".join(DEVICE_GB) + ")")
     ap.add_argument("--plot", type=Path, help="PNG path (default OUT/host_tier.png)")
+    ap.add_argument("--grid", action="store_true", help="the Mooncake grid (see the module docstring)")
+    ap.add_argument("--jobs", type=int, default=2, help="processes for --grid")
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        print(f"--jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+        return 2
+    if args.grid:
+        return run_grid(args.out, args.jobs)
     chosen = args.only.split(",") if args.only else list(DEVICE_GB)
     unknown = [n for n in chosen if n not in DEVICE_GB]
     if unknown:

@@ -20,6 +20,12 @@ rule (`tier_rules.MarconiTiering`, the one the simulator's `TieredPrefixCache` r
   holds them), then the host's own candidates by rank (`host_candidate_bytes`: host-only leaves
   whole, host-only states of nodes with <= 1 child alone), lowest utility first.
 
+Under `MarconiTiering(depth=...)` (the continuation signal) the host ranks by `DepthOrder` instead,
+each candidate's value its depth in the stream's record of finished sequences
+(`settings.continuation`, the record a device `depth:` choice reads: one record, fed once per
+finished request by Marconi's admission, created here if none exists yet), looked up by the node's
+end and last token (`tree_index.node_end_token`), as the simulator's `TieredPrefixCache` does.
+
 A hit on a demoted prefix is SGLang's own load back (`init_load_back`), unchanged: the bytes that
 come back are the bytes that went out. Counters: `EvictionCounters.states_demoted`,
 `states_dropped`, `kv_tokens_demoted`, `states_loaded_back`, `kv_tokens_loaded_back`,
@@ -81,11 +87,12 @@ import operator
 from typing import Optional
 
 from sglang_marconi.policy.rules import value as value_rule
+from sglang_marconi.policy.rules.continuation import ContinuationRecord
 from sglang_marconi.policy.rules.tier_rules import Demotion, EvictionFacts, MarconiTiering, host_candidate_bytes
 from sglang_marconi.policy.tree.candidate_index import keep
 from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex, ranked_below_across
 from sglang_marconi.serving.faults import MarconiGroupFault
-from sglang_marconi.serving.tree_index import node_end
+from sglang_marconi.serving.tree_index import node_end, node_end_token
 
 KV_POOL, STATE_POOL = 0, 1  # host candidate indexes: what a candidate frees
 _MAX_PENDING = 1 << 12
@@ -108,6 +115,9 @@ def served_tiers(cache) -> bool:
 def attach_host_tier(cache, profile, rules: Optional[MarconiTiering] = None):
     """Give a Marconi cache with HiCache write_back its host-tier decisions (after `init_hicache`)."""
     tier = ServedHostTier(cache, profile, rules)
+    settings = cache.marconi.settings
+    if tier.rules.ranks_by_depth and settings.continuation is None:
+        settings.continuation = ContinuationRecord()  # fed by Marconi's admission from here on
     cache.marconi.host_tier = tier
     tier.candidates.install_hooks()
     return tier
@@ -346,15 +356,16 @@ class HostCandidates:
                 index.units(slot))
 
     # -- decisions --------------------------------------------------------------------------------
-    def lowest(self, pool: int, alpha: float):
-        """The lowest-utility candidate freeing `pool` (normalized over that pool's candidates), or
-        None. The chosen entry is re-checked against the tree (a safety net: `check` verifies
-        every entry in the tests)."""
+    def lowest(self, pool: int, order):
+        """The first candidate to evict freeing `pool` under `order` (an alpha: lowest utility,
+        normalized over that pool's candidates; a `DepthOrder`: lowest keep score), or None. The
+        chosen entry is re-checked against the tree (a safety net: `check` verifies every entry in
+        the tests)."""
         self.flush()
         index = self.indexes[pool]
         repaired = None
         while len(index):
-            node = index.lowest(alpha)
+            node = index.lowest(order)
             if node is repaired or self._current(pool, node):
                 return node
             self.stale_repairs += 1
@@ -372,7 +383,7 @@ class HostCandidates:
         units = kv_tokens if pool == KV_POOL else states
         return bool(units) and self._row(pool, node) == (float(t), float(value), float(freed), float(units))
 
-    def room_below(self, alpha: float, last_access: float, value: float, protect) -> tuple[int, int]:
+    def room_below(self, order, last_access: float, value: float, protect) -> tuple[int, int]:
         """(KV tokens, SSM states) the candidates ranking strictly below an incoming node would
         free; `protect` (the incoming node) is left out, of the ranking too."""
         self.flush()
@@ -381,7 +392,7 @@ class HostCandidates:
             if row is not None:
                 self._set(pool, protect, None)
         try:
-            masks = ranked_below_across(self.indexes, alpha, last_access, value)
+            masks = ranked_below_across(self.indexes, order, last_access, value)
             return self.indexes[KV_POOL].units_where(masks[0]), self.indexes[STATE_POOL].units_where(masks[1])
         finally:
             for pool, row in enumerate(rows):
@@ -432,8 +443,14 @@ class ServedHostTier:
         return self.cache.marconi.faults
 
     @property
-    def alpha(self) -> float:
-        return self.rules.host_alpha(None)
+    def record(self) -> Optional[ContinuationRecord]:
+        """The stream's record of finished sequences (None until a depth rule asked for one)."""
+        return self.cache.marconi.settings.continuation
+
+    @property
+    def order(self):
+        """The host's order now (`MarconiTiering.host_order`): an alpha or a `DepthOrder`."""
+        return self.rules.host_order(None, self.record)
 
     # -- values ----------------------------------------------------------------------------------
     def _has_state(self, node) -> bool:
@@ -459,6 +476,12 @@ class ServedHostTier:
             flops = self._flops[start, end] = self.profile.prefill_flops(start, end)
         return value_rule.flops_saved_per_byte(flops, freed_bytes)
 
+    def host_value(self, node, has_state: bool, freed_bytes: int) -> float:
+        """The host ranking's value column: the node's depth under a depth order, else `value`."""
+        if self.rules.ranks_by_depth:
+            return self.rules.depth_of(self.record, *node_end_token(node))
+        return self.value(node, has_state, freed_bytes)
+
     # -- host candidates: the definition -----------------------------------------------------------
     def candidate_entry(self, node):
         """(recency, value, host bytes freed, KV tokens freed, states freed) if `node` is a host
@@ -479,7 +502,7 @@ class ServedHostTier:
         states = int(f.st_host)
         if not kv_tokens and not states:
             return None
-        return node.last_access_time, self.value(node, f.st_host, freed), freed, kv_tokens, states
+        return node.last_access_time, self.host_value(node, f.st_host, freed), freed, kv_tokens, states
 
     def brute_force_entries(self) -> tuple[dict, dict]:
         """`candidate_entry` over the whole tree, per pool (what the incremental index must hold)."""
@@ -498,13 +521,13 @@ class ServedHostTier:
                 out[STATE_POOL][node.id] = (float(t), float(value), float(freed), float(states))
         return out
 
-    def brute_force_lowest(self, pool: int, alpha: float):
+    def brute_force_lowest(self, pool: int, order):
         """The victim `evict_host` must take from `pool`, from scratch (a fresh index over the tree)."""
         index = HostCandidateIndex(tie_key=_node_id)
         arena = self.cache.tree_core._node_arena
         for node_id, (t, value, freed, units) in sorted(self.brute_force_entries()[pool].items()):
             index.add(arena[node_id], t, value, freed, units)
-        return index.lowest(alpha) if len(index) else None
+        return index.lowest(order) if len(index) else None
 
     # -- the fault protocol --------------------------------------------------------------------------
     def _decide(self, where: str, decide):
@@ -566,7 +589,7 @@ class ServedHostTier:
         if kv_free >= kv_needed and st_free >= states_needed:
             return True
         kv_below, st_below = self.candidates.room_below(
-            self.alpha, node.last_access_time, self.value(node, has_state, footprint), node)
+            self.order, node.last_access_time, self.host_value(node, has_state, footprint), node)
         if st_free + st_below < states_needed:
             return False
         kv_room = kv_free + kv_below
@@ -745,7 +768,7 @@ class ServedHostTier:
             freed += result.tracker.get(full, 0)
         pool = KV_POOL if component_type == full else STATE_POOL
         while freed < num_tokens:
-            victim = self._decide("host victim choice", lambda: self.candidates.lowest(pool, self.alpha))
+            victim = self._decide("host victim choice", lambda: self.candidates.lowest(pool, self.order))
             if victim is _GONE:
                 return freed + cache.evict_host(num_tokens - freed, component_type)  # upstream's now
             if victim is None:

@@ -597,3 +597,90 @@ def test_an_unrecoverable_fault_on_the_host_path(where, group_size):
     _workload(cc, np.random.default_rng(11), 60)  # serves on, upstream's rules
     assert len(victims) == marconi_victims  # no host victim of Marconi's after the fallback
     assert serve(cc, A + [5, 6], check_device_index=False)[0].finished()
+
+
+# -- the continuation signal: one tier rule, simulator and served ----------------------------------
+DEEP_FIRST = list(range(1, 13))  # a conversation's first turn; its second extends it (depth 1)
+DEEP_SECOND_NEW = list(range(20, 28))
+BLOCK = 4  # record blocks small enough for these short sequences
+
+
+def _fillers(n=6, length=24):
+    return [[1000 * (k + 1) + i for i in range(length)] for k in range(n)]
+
+
+def _served_continued_turn_hit(rules, n_out=2):
+    """SGLang's HiCache with Marconi's tier rule `rules`: a two-turn conversation, then first turns
+    of others until the host must evict; the host tokens the conversation's third turn loads back
+    and the depth the record gave its second turn's end."""
+    from sglang_marconi.policy.rules.continuation import ContinuationRecord
+
+    cc, runtime = build_marconi_serving(MarconiServingConfig(alpha=0.0, tune_workers=0), kv_size=80, mamba_size=6)
+    attach_hicache(cc, ratio=1.0)
+    cc.settings.continuation = ContinuationRecord(block_tokens=BLOCK)
+    tier = attach_host_tier(cc.cache, cc.settings.profile, rules)
+    first, _ = serve(cc, DEEP_FIRST, n_out=n_out)
+    second_input = DEEP_FIRST + list(first.output_ids) + DEEP_SECOND_NEW
+    second, _ = serve(cc, second_input, n_out=n_out)
+    second_seq = second_input + list(second.output_ids)
+    for seq in _fillers():
+        serve(cc, seq, n_out=n_out)
+    tier.candidates.check()
+    _, host = serve(cc, second_seq + [70, 71, 72], n_out=1)
+    record = cc.settings.continuation
+    kept = len(second_seq) - 1  # the served cache keeps input + output[:-1]
+    return host, record.depth_at(kept, second_seq[kept - 1]), cc.settings.counters.host_evictions
+
+
+def _simulated_continued_turn_hit(rules, n_out=2):
+    """The same stream through the simulator's `TieredPrefixCache` under `rules`: the host tokens
+    the third turn loads back."""
+    from toy_profile import ToyProfile
+
+    from sglang_marconi.policy.rules.continuation import ContinuationRecord
+    from sglang_marconi.policy.rules.eviction import FlopAwareEviction
+    from sglang_marconi.policy.tree.tiered_cache import TieredPrefixCache
+
+    cache = TieredPrefixCache(ToyProfile(), 80, 100, rules, FlopAwareEviction(0.0),
+                              continuation=ContinuationRecord(block_tokens=BLOCK), verify=True)
+    out = lambda n: [500 + n + i for i in range(n_out)]  # noqa: E731
+    cache.serve(DEEP_FIRST, out(1))
+    second = DEEP_FIRST + out(1) + DEEP_SECOND_NEW
+    cache.serve(second, out(2))
+    for seq in _fillers():
+        cache.serve(seq, out(3))
+    cache.check_invariants()
+    lookup, _ = cache.serve(second + out(2) + [70, 71, 72], [1])
+    return lookup.host_hit_tokens
+
+
+@pytest.mark.parametrize("mutant", [None, "keep ignores depth", "depth never found"])
+def test_the_tier_rule_with_depth_keeps_a_continued_conversation_on_the_host_in_sim_and_served(mutant, monkeypatch):
+    """Host pressure with a conversation's second turn (depth 1) the oldest thing on the host:
+    Marconi's tier rule ranking by depth (B = 4) keeps it over the newer first turns of others, so
+    its third turn loads it back, in SGLang's HiCache and in the simulator alike; plain recency
+    (B = 0, and the host's LRU-like order of the FLOP rule at alpha 0) evicts it first on both. A
+    mutant of the one rule (`tier_rules`: the keep score without its depth term, or no depth
+    looked up) changes both alike."""
+    import numpy as np
+
+    from sglang_marconi.policy.rules import tier_rules
+    from sglang_marconi.policy.rules.tier_rules import MarconiTiering
+
+    if mutant == "keep ignores depth":
+        monkeypatch.setattr(tier_rules.DepthOrder, "keep",
+                            lambda self, recency, depths, newest: -np.log(newest - np.asarray(recency, float) + 1.0))
+    elif mutant == "depth never found":
+        monkeypatch.setattr(tier_rules.MarconiTiering, "depth_of", staticmethod(lambda record, end, last: 0.0))
+    deep = MarconiTiering(depth=4.0)
+    served_host, served_depth, host_evictions = _served_continued_turn_hit(deep)
+    simulated_host = _simulated_continued_turn_hit(deep)
+    assert host_evictions >= 1, "the host never had to choose"
+    assert served_depth == 1, "the served record of finished sequences saw the second turn continue the first"
+    if mutant is None:
+        assert served_host > 0 and simulated_host > 0, (served_host, simulated_host)
+    else:
+        assert served_host == 0 and simulated_host == 0, (served_host, simulated_host)
+    for recency_only in (MarconiTiering(depth=0.0), MarconiTiering(0.0)):
+        assert _served_continued_turn_hit(recency_only)[0] == 0
+        assert _simulated_continued_turn_hit(recency_only) == 0

@@ -35,13 +35,28 @@ is dropped. A leaf without a state saves no prefill anywhere: it is dropped. A n
 state whatever it would displace: the host makes room by its own order. That is bounded: credits
 are charged against the share of the device pools (`--marconi-hinted-share`), and they lapse.
 `UpstreamWriteBack` writes back every device leaf anyway (a credit changes nothing there).
+
+`MarconiTiering(depth=B)` (or `depth="auto"`) ranks the host by the continuation signal instead:
+a host candidate's keep score is B x log(1 + depth) - log(age) (`DepthOrder`: the device's
+depth rule, `eviction/depth.py`, over the host's candidates), its depth that of the finished
+sequence ending exactly at it in the stream's `ContinuationRecord` (0 if none), its age measured
+back from the most recent of the candidates compared (and the incoming node). The host evicts
+the lowest keep score first, and a ranked demotion displaces only candidates below the incoming
+node's. "auto" fits B from the record (`fitted_exponent`: 0, plain recency, unless deeper
+sequences are continued significantly more often). On conversation traffic, where most reuse is
+a next turn extending its previous turn's whole sequence, this keeps on the host the sequences
+deep in a conversation, which are the likelier to be continued.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules.eviction import FlopAwareEviction
+from sglang_marconi.policy.rules.eviction.depth import check_exponent, fitted_exponent
 from sglang_marconi.policy.rules.eviction.flop_aware import check_alpha
 
 
@@ -85,8 +100,28 @@ class UpstreamWriteBack:
             return Demotion(kv=True, state=facts.has_state)
         return Demotion(kv=True, state=facts.state_on_host)  # demoted in place: a device-only state is lost
 
+    ranks_by_depth = False
+
     def host_alpha(self, device_eviction) -> float:
         return 0.0
+
+    def host_order(self, device_eviction, record=None) -> float:
+        return 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class DepthOrder:
+    """The host's order under the continuation signal: the lowest keep score goes first,
+    keep = exponent x log(1 + depth) - log(newest - recency + 1) (the device's depth rule,
+    `eviction/depth.deepest_oldest`, as a score); exponent 0 is plain recency (LRU)."""
+
+    exponent: float
+
+    def keep(self, recency, depths, newest: float) -> np.ndarray:
+        age = newest - np.asarray(recency, dtype=float) + 1.0
+        if not self.exponent:
+            return -np.log(age)
+        return self.exponent * np.log1p(np.asarray(depths, dtype=float)) - np.log(age)
 
 
 class MarconiTiering:
@@ -95,13 +130,47 @@ class MarconiTiering:
     sees the device tier alone, so its alpha is no evidence for the host (`alpha=None` follows it
     anyway: the device's FLOP-aware alpha in force, 0 while it runs another choice)."""
 
-    name = "marconi"
     reclaims_state_duplicates = True
     host_evicts_states = True  # a host-only state of a node with <= 1 child is a candidate on its own
     drops_stateless_host_leaves = True  # a host-only leaf without a state can serve no hit
 
-    def __init__(self, alpha: float | None = 1.0):
+    def __init__(self, alpha: float | None = 1.0, depth: float | str | None = None):
+        """`depth`: None ranks the host by recency + alpha x FLOPs saved per byte; a number B, or
+        "auto" (B fitted from the record), ranks it by `DepthOrder` (alpha unused)."""
         self.alpha = None if alpha is None else check_alpha(alpha)
+        if depth is not None and depth != "auto":
+            if isinstance(depth, str):
+                raise MarconiError(f"host depth {depth!r}: expected a number B or 'auto'")
+            depth = check_exponent(depth)
+        self.depth = depth
+        self.name = "marconi" if depth is None else f"marconi+depth:{depth if depth == 'auto' else f'{depth:g}'}"
+        self._fitted = (None, 0.0)  # (the settled rates B was fitted from, B)
+
+    @property
+    def ranks_by_depth(self) -> bool:
+        """Whether the host ranks by `DepthOrder` (its candidates' value column holds their depth)."""
+        return self.depth is not None
+
+    def host_order(self, device_eviction, record=None) -> float | DepthOrder:
+        """The host's order now: an alpha (recency + alpha x FLOPs saved per byte), or a
+        `DepthOrder` whose B is fixed or fitted from `record`'s settled rates (the same whenever
+        it is asked between two settlements: a function of the stream alone)."""
+        if self.depth is None:
+            return self.host_alpha(device_eviction)
+        if self.depth != "auto":
+            return DepthOrder(self.depth)
+        if record is None:
+            return DepthOrder(0.0)
+        settled = record.settled_rates
+        if self._fitted[0] is not settled:
+            self._fitted = (settled, fitted_exponent(*settled))
+        return DepthOrder(self._fitted[1])
+
+    @staticmethod
+    def depth_of(record, end: int, last_token: int) -> float:
+        """A host candidate's depth: that of the finished sequence ending exactly at `end` with
+        `last_token` in `record`, 0 if none (or no record)."""
+        return 0.0 if record is None else float(record.depth_at(end, last_token))
 
     def demotion(self, facts: EvictionFacts) -> Demotion:
         if not facts.frees_kv:  # a state alone: its KV stays on the device

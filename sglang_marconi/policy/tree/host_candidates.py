@@ -5,7 +5,8 @@ units of one host pool it frees (`units`: KV tokens or SSM states, per index). T
 demotion (Marconi's) ask, before evicting anything, whether the host can make room for an
 incoming node by evicting only candidates that rank below it: a vectorized sum over the
 candidates, instead of a trial eviction that may displace content and then drop the incoming
-node anyway. Scores are `policy/rules/score.py`'s.
+node anyway. Scores are `policy/rules/score.py`'s; under the continuation signal (an order that
+is a `tier_rules.DepthOrder`, the value column holding each candidate's depth) its keep score.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from sglang_marconi.policy.rules import score
+from sglang_marconi.policy.rules.tier_rules import DepthOrder
 from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 
 
@@ -49,18 +51,28 @@ class HostCandidateIndex(CandidateIndex):
             self._units[slot] = self._units[last]
         return super().remove(slot)
 
-    def bytes_ranked_below(self, alpha: float, last_access: float, efficiency: float) -> float:
-        """Host bytes held by the candidates whose utility (recency + alpha x efficiency, min-max
-        normalized over the candidates and the incoming node together, `CandidateIndex.lowest`'s
-        weights) is strictly below an incoming node's."""
+    def lowest(self, order) -> Any:
+        """The candidate to evict first under `order`: an alpha (`CandidateIndex.lowest`) or a
+        `DepthOrder` (lowest keep score, age from the newest candidate); exact ties to the
+        smallest tie key."""
+        if not isinstance(order, DepthOrder):
+            return super().lowest(order)
+        n = len(self.items)
+        recency = self._columns[0, :n]
+        keep = order.keep(recency, self._columns[1, :n], float(recency.max()))
+        return self.items[score.lowest_slot(keep, self.least_key)]
+
+    def bytes_ranked_below(self, order, last_access: float, efficiency: float) -> float:
+        """Host bytes held by the candidates ranking strictly below an incoming node under `order`
+        (`ranked_below_across`)."""
         if not len(self.items):
             return 0.0
-        return float(self._bytes[:len(self.items)][self.ranked_below(alpha, last_access, efficiency)].sum())
+        return float(self._bytes[:len(self.items)][self.ranked_below(order, last_access, efficiency)].sum())
 
-    def ranked_below(self, alpha: float, last_access: float, efficiency: float) -> np.ndarray:
+    def ranked_below(self, order, last_access: float, efficiency: float) -> np.ndarray:
         """Which candidates (a mask over `items`) rank strictly below an incoming node: the only
         ones a ranked admission may displace."""
-        return ranked_below_across((self,), alpha, last_access, efficiency)[0]
+        return ranked_below_across((self,), order, last_access, efficiency)[0]
 
     def freed_bytes(self, slot: int) -> float:
         return float(self._bytes[slot])
@@ -72,12 +84,18 @@ class HostCandidateIndex(CandidateIndex):
         return int(self._units[:len(self.items)][mask].sum())
 
 
-def ranked_below_across(indexes, alpha: float, last_access: float, efficiency: float) -> list[np.ndarray]:
-    """Per index, which candidates score strictly below an incoming node (`policy/rules/score.py`),
-    both columns min-max normalized over the union of the indexes and the incoming node (a
-    candidate listed in two indexes counts once in the extremes, as it would in one). One
-    vectorized pass per index."""
+def ranked_below_across(indexes, order, last_access: float, efficiency: float) -> list[np.ndarray]:
+    """Per index, which candidates rank strictly below an incoming node. `order` an alpha: by
+    `policy/rules/score.py`'s utility, both columns min-max normalized over the union of the
+    indexes and the incoming node (a candidate listed in two indexes counts once in the extremes,
+    as it would in one); a `DepthOrder` (`efficiency` then the depth): by keep score, ages from
+    the newest of the candidates and the incoming node. One vectorized pass per index."""
     live = [index._columns[:, :len(index)] for index in indexes]
+    if isinstance(order, DepthOrder):
+        newest = max([float(c[0].max()) for c in live if c.shape[1]] + [last_access])
+        incoming = float(order.keep(last_access, efficiency, newest))
+        return [order.keep(c[0], c[1], newest) < incoming for c in live]
+    alpha = order
     scale = score.LRU_SCALE
     if alpha:
         t = [float(c[0].min()) for c in live if c.shape[1]] + [float(c[0].max()) for c in live if c.shape[1]]

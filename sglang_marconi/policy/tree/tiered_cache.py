@@ -33,12 +33,18 @@ write_back` is the system modeled):
 - Device eviction: the device's `EvictionPolicy` picks the victim among its candidates (device
   leaves, and single-child nodes whose state is on the device where the policy evicts those);
   the `TierRules` (`policy/rules/tier_rules.py`) decide from the node's facts what gets (or keeps) a host
-  copy, and whether the host must rank it above what it would displace.
+  copy, and whether the host must rank it above what it would displace. A client's `24h` hint in
+  force on the node (`client_hints`, a hint ledger whose adapter stamps this cache's nodes) is
+  one of those facts.
 - Host eviction: duplicates first (host copies of what is also on the device: freeing them loses
   nothing), the device's leaves last among them (SGLang's two passes); then the host's own
-  candidates, ranked by recency + alpha x FLOPs saved per host byte freed (`alpha` 0: LRU):
-  host-only leaves (KV and state), and, under Marconi's rules, host-only states of nodes with at
-  most one child (a branch point's state serves every branch).
+  candidates, ranked by recency + alpha x FLOPs saved per host byte freed (`alpha` 0: LRU), or,
+  under rules that rank by the continuation signal (`MarconiTiering(depth=...)`), by
+  `tier_rules.DepthOrder` over each candidate's depth in `continuation` (a `ContinuationRecord`
+  this cache feeds once per admitted request, after the admission, as the core feeds a depth
+  eviction; shared with a device `DepthEviction` that feeds its own): host-only leaves (KV and
+  state), and, under Marconi's rules, host-only states of nodes with at most one child (a branch
+  point's state serves every branch).
 
 Not modeled: probation, separate state-slot budgets (SGLang's Mamba-slot pressure, which evicts
 internal states on their own; `UpstreamWriteBack` answers for that path too), write-through
@@ -55,7 +61,9 @@ import numpy as np
 
 from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.rules.continuation import ContinuationRecord
 from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction
+from sglang_marconi.policy.rules.eviction.depth import DepthEviction, core_node_end
 from sglang_marconi.policy.tree.core import TokenArrayRequests, TreeCore
 from sglang_marconi.policy.tree.host_candidates import HostCandidateIndex
 from sglang_marconi.policy.tree.radix_tree import Node, RadixTree, as_token_array
@@ -138,7 +146,9 @@ class TieredPrefixCache(TokenArrayRequests, TreeCore):
 
     def __init__(self, profile, capacity_bytes: int, host_capacity_bytes: int, rules,
                  eviction: EvictionPolicy | None = None, *, checkpoint_grid: int = 1, page_size: int = 1,
-                 verify: bool = False):
+                 verify: bool = False, continuation: ContinuationRecord | None = None):
+        """`continuation`: the record the host's depth order reads, fed by this cache (a new one by
+        default; a device `DepthEviction` feeding its own shares its record instead)."""
         for name, value, low in (("capacity_bytes", capacity_bytes, 1), ("host_capacity_bytes", host_capacity_bytes, 0)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                 raise MarconiError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -159,6 +169,15 @@ class TieredPrefixCache(TokenArrayRequests, TreeCore):
         # tier changes whose tree tidying waits for a safe point (by id: a deterministic order)
         self._unsettled: dict[int, TieredNode] = {}
         self._protected: TieredNode | None = None  # the node being evicted: a candidate of neither tier meanwhile
+        # clients' cache hints (`cache_hints.HintLedger` or anything with `kept_for_day(node)`):
+        # a node a `24h` credit is in force on is kept on the host (`EvictionFacts.kept_for_client`)
+        self.client_hints = None
+        # what the host's depth order reads (None: the rules rank by no depth)
+        self.continuation: ContinuationRecord | None = None
+        if rules.ranks_by_depth:
+            own = isinstance(eviction, DepthEviction) and eviction.feeds_record
+            self.continuation = (eviction.record if own else continuation if continuation is not None
+                                 else ContinuationRecord())
         # kv_tokens and ssm_states count the device's; the index holds the device's candidates
         self._configure(profile, capacity_bytes, eviction if eviction is not None else FlopAwareEviction(0.0),
                         _TieredTree(page_size), CandidateIndex(tie_key=CandidateIndex.node_id),
@@ -288,6 +307,17 @@ class TieredPrefixCache(TokenArrayRequests, TreeCore):
             if deepest is not None:
                 self.unlock(deepest)
             self._settle()
+            self._observe(seq, n)
+
+    def _observe(self, seq: np.ndarray, n: int) -> None:
+        """Feed the stream's learners once per admitted request (cached or skipped): the device
+        eviction's (`observe_request`) and the host's record, unless it is the same record."""
+        eviction = self.eviction
+        eviction.observe_request(self, seq, n)
+        record = self.continuation
+        if record is not None and not (isinstance(eviction, DepthEviction) and eviction.feeds_record
+                                       and eviction.record is record):
+            record.finish(seq, n)
 
     def _unevict(self, seq: np.ndarray, upto: int) -> None:
         walk = self.tree.walk(seq[:upto])
@@ -317,7 +347,8 @@ class TieredPrefixCache(TokenArrayRequests, TreeCore):
         leaf = self._is_device_leaf(node)
         plan = self.rules.demotion(EvictionFacts(
             frees_kv=leaf, kv_on_host=node.kv_host, state_on_device=node.st_dev, state_on_host=node.st_host,
-            host_descendants=leaf and bool(node.children)))
+            host_descendants=leaf and bool(node.children),
+            kept_for_client=self.client_hints is not None and self.client_hints.kept_for_day(node)))
         copy_kv = plan.kv and not node.kv_host
         copy_state = plan.state and node.st_dev and not node.st_host
         copy = (self._kv_bytes(node) if copy_kv else 0) + (self.ssm_state_bytes if copy_state else 0)
@@ -329,7 +360,7 @@ class TieredPrefixCache(TokenArrayRequests, TreeCore):
             incoming = None
             if plan.ranked:
                 footprint = (self._kv_bytes(node) if leaf else 0) + self.ssm_state_bytes
-                incoming = (node.last_access, self._value(node, footprint))
+                incoming = (node.last_access, self._host_value(node, footprint))
             if not self._host_make_room(copy, incoming, node):
                 plan = Demotion(kv=node.kv_host, state=node.st_host)  # nothing new gets a host copy
             self._protected = None
@@ -409,17 +440,17 @@ class TieredPrefixCache(TokenArrayRequests, TreeCore):
             return False
         if self.host_free_bytes >= needed:
             return True
-        alpha = self.rules.host_alpha(self.eviction)
+        order = self.rules.host_order(self.eviction, self.continuation)
         if incoming is not None:
             room = (self.host_free_bytes + self._duplicate_bytes(protect)
-                    + self.host_index.bytes_ranked_below(alpha, *incoming))
+                    + self.host_index.bytes_ranked_below(order, *incoming))
             if room < needed:
                 return False
         self._reclaim_duplicates(needed, protect)
         while self.host_free_bytes < needed:
             if not len(self.host_index):
                 return False
-            self._evict_host(self.host_index.lowest(alpha))
+            self._evict_host(self.host_index.lowest(order))
         return True
 
     def _duplicate_bytes(self, protect: TieredNode) -> int:
@@ -572,6 +603,12 @@ class TieredPrefixCache(TokenArrayRequests, TreeCore):
             return 0.0
         return value_rule.flops_saved_per_byte(self.flops(node.parent.end, node.end), freed)
 
+    def _host_value(self, node: TieredNode, freed: int) -> float:
+        """The host ranking's value column: the node's depth under a depth order, else Eq. 1."""
+        if self.continuation is not None:
+            return self.rules.depth_of(self.continuation, *core_node_end(node))
+        return self._value(node, freed)
+
     def set_eviction(self, eviction: EvictionPolicy) -> None:
         """Switch the device's eviction policy (the tuner moves between choices)."""
         if eviction is self.eviction:
@@ -586,7 +623,7 @@ class TieredPrefixCache(TokenArrayRequests, TreeCore):
         super()._refresh(node)  # the device's candidates
         freed = self._host_candidate_bytes(node)
         if freed is not None:
-            value = self._value(node, freed)
+            value = self._host_value(node, freed)
             if node.hslot < 0:
                 node.hslot = self.host_index.add(node, node.last_access, value, freed)
             else:

@@ -41,8 +41,8 @@ core's `HybridPrefixCache(probation=True)` models the same, and the runtime's sh
 Backtrack states (`policy/rules/backtrack_states.py`, with probation): a request that replays a long
 stretch also keeps, on probation, up to B states at the chunk ends its prefill checkpoints anyway,
 spaced to cut the stretch into near-equal FLOP parts, never more states than upstream keeps for it;
-B from the serving config's `extra["backtrack_states"]` (0: off), by default the rule's default,
-as the served-pools model's (`ServedPools.backtrack_states`) is.
+B from the serving config's `extra["backtrack_states"]` (0: off), by default the rule's default for
+the strategy (on in extra_buffer), as the served-pools model's (`ServedPools.backtrack_states`) is.
 
 Faults: admission has no state derived from the tree to rebuild, so an exception in its code is
 unrecoverable (`faults.py`): a rank alone takes upstream's admission from then on, a rank of a group
@@ -54,7 +54,7 @@ The class is built lazily (`admission_mixin()`) so importing this module needs n
 from __future__ import annotations
 
 from sglang_marconi.policy.rules import branch_grid
-from sglang_marconi.policy.rules.backtrack_states import DEFAULT_SETTING, backtrack_rule_of
+from sglang_marconi.policy.rules.backtrack_states import backtrack_rule_of, default_setting
 from sglang_marconi.serving.cache_state import EvictionWalk, marconi_evict_params, request_state
 
 
@@ -123,10 +123,11 @@ def backtrack_record(req) -> BacktrackRecord:
     return record
 
 
-def backtrack_setting(config):
-    """The backtrack-states setting a serving config carries (`extra["backtrack_states"]`)."""
-    extra = getattr(config, "extra", None) or {}
-    return extra.get("backtrack_states", DEFAULT_SETTING)
+def backtrack_setting(config, extra_buffer: bool):
+    """The backtrack-states setting a serving config carries (`extra["backtrack_states"]`), else
+    the rule's default for the strategy."""
+    setting = (getattr(config, "extra", None) or {}).get("backtrack_states")
+    return default_setting(extra_buffer) if setting is None else setting
 
 
 def prefill_chunk() -> int | None:
@@ -250,7 +251,8 @@ def admission_mixin():
             if rule is None or checkpoint_end >= n_in:
                 return False
             if not rule.admits(position, req.kv.cache_protected_len, record.resumed_at, n_in, record.taken,
-                               record.offered, prefill_chunk(), self.marconi.settings.profile.prefill_flops):
+                               record.offered, prefill_chunk(), self.marconi.settings.profile.prefill_flops,
+                               branch_position(req)):
                 return False
             return self._marconi_reserve_slot(probation_only=True)
 
@@ -259,9 +261,14 @@ def admission_mixin():
             probationary); None when off."""
             rule = self.__dict__.get("_marconi_backtrack")
             if rule is None:
-                on = self.marconi.settings.probation
-                rule = self._marconi_backtrack = (backtrack_rule_of(backtrack_setting(self.marconi.config))
-                                                  if on else None) or False
+                extra_buffer = self.cache.enable_mamba_extra_buffer
+                rule = backtrack_rule_of(backtrack_setting(self.marconi.config, extra_buffer)) \
+                    if self.marconi.settings.probation else None
+                pool = self.cache.req_to_token_pool
+                request_slots = 1 + (int(pool.mamba_initial_tracking_slots) if extra_buffer else 0)
+                if rule is not None and not rule.applies(int(pool.mamba_pool.size), request_slots):
+                    rule = None
+                self._marconi_backtrack = rule or False
             return rule or None
 
         def _marconi_confirm_own_probationary(self, state) -> bool:

@@ -13,6 +13,9 @@ admitted when
 
 - the request has admitted fewer than `per_request` of them, and fewer states in all than upstream
   keeps for it (one per prefill extend and the final state: `upstream_states`);
+- it lies past the request's branch point (before it, the branch state is the request's state, and
+  in a small pool the backtrack state's slot, locked while the request runs, would be the branch
+  state's);
 - the replay it saves is worth its slot: the FLOPs from the request's previous state on its path
   (the state it resumed at, or the last one it admitted) to this position are at least
   1 / (`per_request` + 1) of the FLOPs of the whole stretch. So the states cut the stretch into
@@ -36,9 +39,15 @@ from typing import Callable
 from sglang_marconi.policy.errors import MarconiError
 
 DEFAULT_PER_REQUEST = 3
-# What a cache runs without a setting (the served config's extra["backtrack_states"], the
-# served-pools model's `ServedPools.backtrack_states`): the same on both sides.
-DEFAULT_SETTING = 0
+
+
+def default_setting(extra_buffer: bool) -> int:
+    """What a cache runs without a setting (the served config's extra["backtrack_states"], the
+    served-pools model's `ServedPools.backtrack_states` left None), the same on both sides: on in
+    extra_buffer, where upstream keeps a state at every tracked chunk end and Marconi's two per
+    request fall below it on backtracking agents; off in no_buffer, where Marconi's admission is
+    above upstream without it and the rule gains and loses a few tenths of a point."""
+    return DEFAULT_PER_REQUEST if extra_buffer else 0
 
 
 def upstream_states(input_len: int, resumed_at: int, chunk: int | None) -> int:
@@ -60,13 +69,26 @@ class BacktrackStates:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise MarconiError(f"backtrack states per request must be a positive integer, got {n!r}")
 
+    @staticmethod
+    def applies(state_slots: int, request_slots: int) -> bool:
+        """Whether a pool of `state_slots` runs the rule, a running request holding `request_slots`:
+        only with room for the state the request reused (locked while it runs) and one more. A
+        smaller pool has no room for a branch state once the request's lock sits on one, and a
+        backtrack state there would steer which states it holds into that case."""
+        return state_slots >= request_slots + 2
+
     def admits(self, position: int | None, previous: int, resumed_at: int, input_len: int, taken: int,
-               admitted: int, chunk: int | None, flops: Callable[[int, int], float]) -> bool:
+               admitted: int, chunk: int | None, flops: Callable[[int, int], float],
+               branch: int | None = None) -> bool:
         """Is the state a checkpoint offers at `position` a backtrack state to keep? `previous`:
         the request's last state on its path (the one it resumed at, or the last it admitted);
         `resumed_at`: the state its match reused; `taken`: backtrack states it admitted so far;
-        `admitted`: states of any kind it admitted so far; `flops(start, end)`: prefill FLOPs."""
+        `admitted`: states of any kind it admitted so far; `flops(start, end)`: prefill FLOPs;
+        `branch`: its branch point, if any (none at or before it: the branch state is the request's
+        state there, and the slot it needs must not be taken first)."""
         if position is None or not previous < position < input_len or taken >= self.per_request:
+            return False
+        if branch is not None and position <= branch:
             return False
         if admitted + 2 > upstream_states(input_len, resumed_at, chunk):  # this one, and a final state
             return False

@@ -53,7 +53,7 @@ import numpy as np
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules import branch_grid
 from sglang_marconi.policy.rules import value as value_rule
-from sglang_marconi.policy.rules.backtrack_states import DEFAULT_SETTING, backtrack_rule_of
+from sglang_marconi.policy.rules.backtrack_states import backtrack_rule_of, default_setting
 from sglang_marconi.policy.rules.continuation import ContinuationRecord
 from sglang_marconi.policy.rules.eviction.depth import depth_rule_of
 from sglang_marconi.policy.tree.core import PoolTree
@@ -77,7 +77,7 @@ class ServedPools:
     snapshot_step: int = 64  # extra_buffer: mamba_cache_chunk_size, the prefill snapshot grid
     decode_snapshot_step: int = 256  # extra_buffer: mamba_track_grid, decode snapshots
     tracking_slots: int = 2  # extra_buffer: ping-pong track slots per running request (overlap on)
-    backtrack_states: int = DEFAULT_SETTING  # the serving config's extra["backtrack_states"]: extra states per request (`rules/backtrack_states.py`)
+    backtrack_states: int | None = None  # extra states per request (`rules/backtrack_states.py`; None: its default): extra states per request (`rules/backtrack_states.py`)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -86,7 +86,7 @@ class ServedPools:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise MarconiError(f"{name} must be a positive integer, got {value!r}")
-        backtrack_rule_of(self.backtrack_states)  # a bad count raises here
+        backtrack_rule_of(self.backtrack_setting)  # a bad count raises here
         if self.chunk_size is not None and (not isinstance(self.chunk_size, (int, np.integer)) or self.chunk_size < 1):
             raise MarconiError(f"chunk_size must be a positive integer or None, got {self.chunk_size!r}")
         if self.mamba_slots < self.request_slots + 1:
@@ -101,6 +101,11 @@ class ServedPools:
     def request_slots(self) -> int:
         """Mamba slots a running request holds."""
         return 1 + (self.tracking_slots if self.extra_buffer else 0)
+
+    @property
+    def backtrack_setting(self):
+        """The backtrack states in force: the one given, else the rule's default for the strategy."""
+        return default_setting(self.extra_buffer) if self.backtrack_states is None else self.backtrack_states
 
     def scaled(self, rate: float) -> ServedPools:
         """The pools at `rate` of their size (a tuner's sampled shadows)."""
@@ -174,7 +179,8 @@ class ServedCache(PoolTree):
                               counters=ServedCounters())
         self.served = 0
         # extra states at chunk ends, on probation (needs probation: they live in its registry)
-        self.backtrack = backtrack_rule_of(pools.backtrack_states) if probation else None
+        rule = backtrack_rule_of(pools.backtrack_setting) if probation else None
+        self.backtrack = rule if rule is not None and rule.applies(pools.mamba_slots, pools.request_slots) else None
         self.events: list[ServedEvent] | None = [] if record else None
         # Finished sequences, as far as each request's last insert kept it (`rules/continuation.py`):
         # kept from the first depth choice on, fed once per request at its release.
@@ -375,7 +381,8 @@ class ServedCache(PoolTree):
                             and token_len == req.n_in and self._reserve_slot(probation_only=True))
             backtrack = (not admits and not probationary and token_len < req.n_in and self.backtrack is not None
                          and self.backtrack.admits(position, req.protected, req.resumed_at, req.n_in,
-                                                   req.backtrack_taken, req.offered, pools.chunk_size, self.flops)
+                                                   req.backtrack_taken, req.offered, pools.chunk_size, self.flops,
+                                                   req.branch)
                          and self._reserve_slot(probation_only=True))
             probationary = probationary or backtrack
             if not admits and not probationary:

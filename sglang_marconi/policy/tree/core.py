@@ -443,6 +443,8 @@ class TreeCore:
         if self.probation and self._probation:
             self._probation.confirm(hit_node)  # a hit confirms a probationary state
         hit = hit_node.end
+        if partial is None and (not path or not path[-1].children or path[-1].has_state):
+            return hit, None, hit_node  # `_branch_target`'s first answer: no new intermediate node
         branch = self._branch_target(path, partial, overlap, limit)
         return hit, (branch if branch is not None and branch > hit else None), hit_node
 
@@ -471,7 +473,7 @@ class TreeCore:
         state at n and at `checkpoint_at`; evict to make room. Returns the number of states
         admitted (<= 2, plus a probationary one), 0 if the request could not fit."""
         path, partial, partial_len, overlap = walk
-        positions = self._admitted_positions(n, checkpoint_at)
+        positions = [n] if checkpoint_at is None and not self.attention_only else self._admitted_positions(n, checkpoint_at)
         new_states = 0
         for pos in positions:
             if not (path and _state_on(path, pos)):

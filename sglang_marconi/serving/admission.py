@@ -251,8 +251,7 @@ def admission_mixin():
             if rule is None or checkpoint_end >= n_in:
                 return False
             if not rule.admits(position, req.kv.cache_protected_len, record.resumed_at, n_in, record.taken,
-                               record.offered, prefill_chunk(), self.marconi.settings.profile.prefill_flops,
-                               branch_position(req)):
+                               record.offered, prefill_chunk(), self.marconi.settings.profile.prefill_flops):
                 return False
             return self._marconi_reserve_slot(probation_only=True)
 

@@ -13,15 +13,13 @@ admitted when
 
 - the request has admitted fewer than `per_request` of them, and fewer states in all than upstream
   keeps for it (one per prefill extend and the final state: `upstream_states`);
-- it lies past the request's branch point (before it, the branch state is the request's state, and
-  in a small pool the backtrack state's slot, locked while the request runs, would be the branch
-  state's);
 - the replay it saves is worth its slot: the FLOPs from the request's previous state on its path
   (the state it resumed at, or the last one it admitted) to this position are at least
   1 / (`per_request` + 1) of the FLOPs of the whole stretch. So the states cut the stretch into
   near-equal FLOP parts: a return that lands anywhere in it replays at most about one part (the
   coverage each state gives, times the FLOPs per byte of its slot, is then about equal). A
-  replay shorter than a chunk has no chunk end inside it, and keeps none.
+  replay shorter than a chunk has no chunk end inside it, and keeps none;
+- the pool has room for the request's locked state and one more (`applies`).
 
 Admitted states are probationary (`rules/probation.py`): kept only in free room or room freed from
 other probationary states, evicted first, confirmed into regular states by a return that reuses
@@ -72,23 +70,19 @@ class BacktrackStates:
     @staticmethod
     def applies(state_slots: int, request_slots: int) -> bool:
         """Whether a pool of `state_slots` runs the rule, a running request holding `request_slots`:
-        only with room for the state the request reused (locked while it runs) and one more. A
-        smaller pool has no room for a branch state once the request's lock sits on one, and a
-        backtrack state there would steer which states it holds into that case."""
+        only with room for the state it holds locked (the one it reused or last inserted; a
+        backtrack state moves the lock, never adds one) and one more, so its branch state always
+        finds a slot. A smaller pool has no room for a branch state once the lock sits on a state,
+        and a backtrack state there would steer which states it holds into that case."""
         return state_slots >= request_slots + 2
 
     def admits(self, position: int | None, previous: int, resumed_at: int, input_len: int, taken: int,
-               admitted: int, chunk: int | None, flops: Callable[[int, int], float],
-               branch: int | None = None) -> bool:
+               admitted: int, chunk: int | None, flops: Callable[[int, int], float]) -> bool:
         """Is the state a checkpoint offers at `position` a backtrack state to keep? `previous`:
         the request's last state on its path (the one it resumed at, or the last it admitted);
         `resumed_at`: the state its match reused; `taken`: backtrack states it admitted so far;
-        `admitted`: states of any kind it admitted so far; `flops(start, end)`: prefill FLOPs;
-        `branch`: its branch point, if any (none at or before it: the branch state is the request's
-        state there, and the slot it needs must not be taken first)."""
+        `admitted`: states of any kind it admitted so far; `flops(start, end)`: prefill FLOPs."""
         if position is None or not previous < position < input_len or taken >= self.per_request:
-            return False
-        if branch is not None and position <= branch:
             return False
         if admitted + 2 > upstream_states(input_len, resumed_at, chunk):  # this one, and a final state
             return False

@@ -34,7 +34,9 @@ two Mamba strategies' tracking and admission, probation) and the value candidate
 - Admission (`serving/admission.py`, the rules in `policy/rules/branch_grid.py`): the branch state where
   two-pass prefill ends a chunk (no_buffer) or where extra_buffer snapshots it, the final state
   (extra_buffer: the last tracked one, the insert truncated there), and with probation the state at
-  the end of the input, kept only in free room or room freed from other probationary states.
+  the end of the input, kept only in free room or room freed from other probationary states; and
+  backtrack states (`policy/rules/backtrack_states.py`, `ServedPools.backtrack_states`): up to B
+  more at chunk ends of a long replay, on probation too.
 
 `serve` returns the hit SGLang reports (`req.prefix_len` after the match). `ServedPools.scaled`
 shrinks the pools for a tuner's sampled shadows. `check_invariants` asserts the two ledgers and the
@@ -381,8 +383,7 @@ class ServedCache(PoolTree):
                             and token_len == req.n_in and self._reserve_slot(probation_only=True))
             backtrack = (not admits and not probationary and token_len < req.n_in and self.backtrack is not None
                          and self.backtrack.admits(position, req.protected, req.resumed_at, req.n_in,
-                                                   req.backtrack_taken, req.offered, pools.chunk_size, self.flops,
-                                                   req.branch)
+                                                   req.backtrack_taken, req.offered, pools.chunk_size, self.flops)
                          and self._reserve_slot(probation_only=True))
             probationary = probationary or backtrack
             if not admits and not probationary:

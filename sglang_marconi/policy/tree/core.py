@@ -37,6 +37,7 @@ the request's input, in free room only; a hit confirms it, pressure evicts it fi
 
 from __future__ import annotations
 
+import functools
 import operator
 import types
 from collections import OrderedDict
@@ -152,7 +153,7 @@ class TreeCore:
         self.tree = tree
         self.index = index
         touch = getattr(index, "touch", None)
-        self._stamp_recency = touch if touch is not None else types.MethodType(_stamp_recency, index)
+        self._stamp_recency = touch if touch is not None else functools.partial(_stamp_recency, index)
         self.kv_tokens = 0
         self.ssm_states = 0
         self.clock = 0.0
@@ -198,9 +199,11 @@ class TreeCore:
         # (a bound method, not a partial: the interpreter calls it without a C-level hop)
         self._node_value = self.flop_efficiency if value is None else types.MethodType(value, self)
         self._value_reaches_up = getattr(eviction, "value_reaches_up", False)
-        self._refresh_matched_path = eviction.refresh_matched_path
+        # (a configuration's own rules object may bring neither: it then touches and admits its own way)
+        self._refresh_matched_path = getattr(eviction, "refresh_matched_path", False)
         # A rule that learns from the stream is told of each admission (`observe_request`).
-        self._observes = type(eviction).observe_request is not EvictionPolicy.observe_request
+        observe = getattr(type(eviction), "observe_request", EvictionPolicy.observe_request)
+        self._observes = observe is not EvictionPolicy.observe_request
         self._refresh_every_locked = self._lock_refreshes_unlisted or self._value_reaches_up
         fixed_lowest = self._fixed_choice and type(eviction).choose in _CHOOSE_LOWEST
         self._alpha = getattr(eviction, "alpha", 0.0) if fixed_lowest else None

@@ -207,6 +207,7 @@ def admission_mixin():
                     state.probationary_insert = True
                     record.offered += 1
                     record.taken += backtrack
+                    counters.backtrack_admitted += backtrack
                     counters.probationary_admitted += 1  # backtrack states included
                 return cache_len
             if not admits:

@@ -53,7 +53,8 @@ class AdmissionCounters:
     checkpoints_declined: int = 0  # per-chunk / decode checkpoints that Marconi keeps out
     skipped_no_slot: int = 0  # branch states dropped because no Mamba slot could be had
     grid_lost_tokens: int = 0  # sum over admitted branch states of branch position - admitted position
-    probationary_admitted: int = 0  # states kept on probation at the end of an input
+    probationary_admitted: int = 0  # states kept on probation at the end of an input, backtrack states included
+    backtrack_admitted: int = 0  # backtrack states kept on probation at chunk ends (`rules/backtrack_states.py`)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.rules.backtrack_states import DEFAULT_PER_REQUEST
 from sglang_marconi.policy.rules.cache_hints import DEFAULT_HINTED_SHARE
 from sglang_marconi.policy.rules.eviction.depth import MAX_EXPONENT, depth_rule_of
 from sglang_marconi.policy.tuning.shadow_tuner import (
@@ -43,7 +44,13 @@ class MarconiServingConfig:
     bootstrap_multiplier: float = 5.0  # checked, no effect: tuning has no bootstrap windows (the flag still parses)
     hinted_share: float = DEFAULT_HINTED_SHARE  # of each pool, at most, for client-hinted entries; 0: hints unused
     hint_horizon: int | None = None  # releases a hint's credit lasts; None: learned from the stream
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # "backtrack_states": --marconi-backtrack-states B, absent for auto
+
+    @property
+    def backtrack_states(self) -> int | None:
+        """Backtrack states per request (`policy/rules/backtrack_states.py`; 0: off); None: the
+        rule's default for the Mamba strategy."""
+        return (self.extra or {}).get("backtrack_states")
 
     @property
     def fixed_choice(self):
@@ -114,6 +121,14 @@ def _number(flag: str, text: str, kind=float):
         raise _flag_error(flag, text, f"expected {'an integer' if kind is int else 'a number'}") from None
 
 
+def _backtrack_states(text: str) -> int | None:
+    if text == "auto":
+        return None
+    if not text.isdigit():  # digits only: no sign, no fraction
+        raise _flag_error("--marconi-backtrack-states", text, "expected 'auto' or an integer >= 0")
+    return int(text)
+
+
 def _eviction(text: str) -> str:
     if text in EVICTIONS:
         return text
@@ -145,6 +160,11 @@ def add_marconi_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--marconi-probation", default="on",
                    help="on: also keep the state at the end of each input on probation (evicted first, a reuse "
                         "confirms it), so a prefix used twice in a row hits at its second use; off: Marconi's two only")
+    g.add_argument("--marconi-backtrack-states", default="auto",
+                   help="B: up to B extra SSM states per request at the chunk ends of a long replay, on probation, "
+                        "so an agent that comes back to an earlier point of its trajectory lands near it (0: off); "
+                        f"auto: B={DEFAULT_PER_REQUEST} with --mamba-radix-cache-strategy extra_buffer, off with "
+                        "no_buffer")
     g.add_argument("--marconi-tune-workers", default="1",
                    help="1: shadow caches in a background process; 0: on the scheduler thread (debugging)")
     g.add_argument("--marconi-tune-sample-rate", default="1", help="share of sessions the shadow caches see")
@@ -198,6 +218,12 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
     if ns.marconi_eviction.startswith("depth:") and not _on_off("--marconi-admission", ns.marconi_admission):
         # the depth rule's record is fed by Marconi's admission as each request finishes
         raise _flag_error("--marconi-eviction", ns.marconi_eviction, "needs --marconi-admission on")
+    backtrack = _backtrack_states(ns.marconi_backtrack_states)
+    if backtrack and not (_on_off("--marconi-admission", ns.marconi_admission)
+                          and _on_off("--marconi-probation", ns.marconi_probation)):
+        # backtrack states are probationary states of Marconi's admission
+        raise _flag_error("--marconi-backtrack-states", ns.marconi_backtrack_states,
+                          "needs --marconi-admission on and --marconi-probation on")
     stall = _number("--marconi-tune-stall-timeout", ns.marconi_tune_stall_timeout)
     if not stall > 0:
         raise _flag_error("--marconi-tune-stall-timeout", ns.marconi_tune_stall_timeout, "must be > 0")
@@ -220,6 +246,7 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
         bootstrap_multiplier=multiplier,
         hinted_share=share,
         hint_horizon=horizon,
+        extra={} if backtrack is None else {"backtrack_states": backtrack},
     )
     try:
         config.tuning()  # the tuner's own checks, reported against the flags

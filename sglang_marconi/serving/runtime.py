@@ -364,6 +364,7 @@ class MarconiRuntime:
             "marconi_evictions_probationary": counters.evictions_probationary,
             "marconi_evictions_fallback": counters.evictions_fallback,
             "marconi_probationary_states_admitted": admission.probationary_admitted,
+            "marconi_backtrack_states_admitted": admission.backtrack_admitted,
             "marconi_probationary_states_cached": len(state.probation),
             "marconi_admissions_skipped_no_slot": admission.skipped_no_slot,
             "marconi_branch_tokens_lost_to_grid": admission.grid_lost_tokens,
@@ -512,7 +513,7 @@ def served_pools(cache, config):
     return ServedPools(
         int(allocator.size), int(pool.mamba_pool.size), EXTRA_BUFFER if extra else NO_BUFFER,
         chunk if chunk and chunk > 0 else None, int(mamba.mamba_cache_chunk_size), int(mamba_track_grid(cache.page_size)),
-        int(pool.mamba_initial_tracking_slots) if extra else 2)
+        int(pool.mamba_initial_tracking_slots) if extra else 2, config.backtrack_states)
 
 
 def shadow_budget(cache, profile) -> tuple[int, int | None]:

@@ -107,10 +107,11 @@ def run_grid(out: Path, jobs: int) -> int:
     print(f"machine: {machine()}, Python {platform.python_version()}; Mooncake grid, {len(cells)} cells, "
           f"{jobs} processes\n\n{GRID_HEADER}", flush=True)
     started = time.perf_counter()
+    results = []
     with ProcessPoolExecutor(jobs) as pool:
-        results = list(pool.map(grid_cell, cells))
-    for c in results:
-        print(grid_row(c))
+        for c in pool.map(grid_cell, cells):  # in grid order, each row as soon as it and those before it are done
+            results.append(c)
+            print(grid_row(c), flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s")
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_host_tier_grid.json").write_text(json.dumps(results, indent=1))

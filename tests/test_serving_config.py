@@ -31,6 +31,8 @@ def test_defaults_and_round_trip_through_the_environment():
     ("--marconi-bootstrap-multiplier", "0"), ("--marconi-tune-workers", "two"), ("--marconi-tune-workers", "-1"),
     ("--marconi-tune-sample-rate", "1.5"), ("--marconi-tune-sample-rate", "half"), ("--marconi-tune-epoch", "0"),
     ("--marconi-tune-margin", "-0.1"), ("--marconi-seglen-weights", "x"), ("--marconi-seglen-weights", "-1"),
+    ("--marconi-backtrack-states", "-1"), ("--marconi-backtrack-states", "1.5"), ("--marconi-backtrack-states", "on"),
+    ("--marconi-backtrack-states", "²"),
 ])
 def test_bad_flag_values_name_the_flag(flag, value):
     with pytest.raises(MarconiError, match=flag):
@@ -99,3 +101,22 @@ def test_marconi_asked_for_with_such_a_flag_is_refused_in_one_line(capsys, backe
     assert main(["--model-path", "m", "--enable-int8-mamba-checkpoint", *backend]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--enable-int8-mamba-checkpoint" in err and "Traceback" not in err
+
+
+def test_backtrack_states_flag_reaches_the_config_and_the_environment():
+    assert parse().backtrack_states is None  # auto: the rule's default for the Mamba strategy
+    for flag, count in (("0", 0), ("4", 4), ("auto", None)):
+        config = parse("--marconi-backtrack-states", flag)
+        assert config.backtrack_states == count
+        assert MarconiServingConfig.from_env({ENV_VAR: config.to_env()}).backtrack_states == count
+
+
+@pytest.mark.parametrize("off", ["--marconi-probation", "--marconi-admission"])
+def test_backtrack_states_need_marconis_admission_and_probation(off, capsys):
+    assert parse("--marconi-backtrack-states", "0", off, "off").backtrack_states == 0
+    assert parse(off, "off").backtrack_states is None
+    with pytest.raises(MarconiError, match="--marconi-backtrack-states '2'.*needs"):
+        parse("--marconi-backtrack-states", "2", off, "off")
+    assert main(["--model-path", "m", "--marconi-backtrack-states", "many"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--marconi-backtrack-states" in err and "'many'" in err

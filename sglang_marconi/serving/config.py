@@ -124,7 +124,7 @@ def _number(flag: str, text: str, kind=float):
 def _backtrack_states(text: str) -> int | None:
     if text == "auto":
         return None
-    if not text.isdigit():  # digits only: no sign, no fraction
+    if not (text.isascii() and text.isdigit()):  # digits only: no sign, no fraction
         raise _flag_error("--marconi-backtrack-states", text, "expected 'auto' or an integer >= 0")
     return int(text)
 

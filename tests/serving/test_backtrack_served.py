@@ -3,6 +3,7 @@ served-pools model, which call the one rule: a long replay leaves states at its 
 probation, so a request that comes back to an earlier point of it lands near that point; at most
 B per request, never more states than upstream keeps; the two sides agree request by request."""
 
+import argparse
 from dataclasses import replace
 
 import numpy as np
@@ -16,7 +17,8 @@ from sglang_marconi.policy.cost.model_profile import load_profile  # noqa: E402
 from sglang_marconi.policy.rules.backtrack_states import BacktrackStates, upstream_states  # noqa: E402
 from sglang_marconi.policy.tree.served_cache import ServedCache, ServedPools  # noqa: E402
 from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
-from sglang_marconi.serving.config import MarconiServingConfig  # noqa: E402
+from sglang_marconi.serving.config import MarconiServingConfig, add_marconi_args, config_from_args  # noqa: E402
+from sglang_marconi.serving.runtime import served_pools  # noqa: E402
 from sglang_marconi.sim.stress import agent_backtrack  # noqa: E402
 
 CHUNK = 128
@@ -103,3 +105,48 @@ def test_served_and_model_agree_request_by_request_with_the_rule_on(extra_buffer
     pair.close()
     assert list(served) == list(sim)
     assert admitted > 0  # the rule ran (and, agreeing, ran alike on both sides)
+
+
+def config_of_flags(*flags) -> MarconiServingConfig:
+    """The serving config the launcher builds from these flags."""
+    parser = argparse.ArgumentParser()
+    add_marconi_args(parser)
+    return config_from_args(parser.parse_args(["--marconi-alpha", "0", "--marconi-tune-workers", "0", *flags]))
+
+
+# (strategy, --marconi-backtrack-states, B the flag stands for): each B differs from the strategy's
+# default (3 in extra_buffer, 0 in no_buffer) but "auto", so a flag that never reached the rule fails
+FLAG_CASES = [(True, "1", 1), (True, "0", 0), (True, "auto", 3), (False, "2", 2), (False, "auto", 0)]
+
+
+@pytest.mark.parametrize("extra_buffer,flag,per_request", FLAG_CASES,
+                         ids=[f"{'extra' if e else 'no'}_buffer-{f}" for e, f, _ in FLAG_CASES])
+def test_the_flag_reaches_the_rule_and_the_counter_counts_its_states(extra_buffer, flag, per_request):
+    config = config_of_flags("--marconi-backtrack-states", flag)
+    cc, runtime = build_marconi_serving(config, profile=PROFILE, kv_size=20000, mamba_size=40, max_num_reqs=2,
+                                        max_context_len=16384, extra_buffer=extra_buffer,
+                                        chunked_prefill_size=CHUNK)
+    pools = ServedPools(20000, 40, "extra_buffer" if extra_buffer else "no_buffer", CHUNK,
+                        backtrack_states=per_request)
+    sim = ServedCache(load_profile(PROFILE), pools, 0.0)
+    assert served_pools(cc.cache, config).backtrack_setting == per_request  # the served shadows' model alike
+    requests = [(SYSTEM + [7, 7], OUT), (LONG, OUT), (LONG[:700] + list(range(9000, 9100)), OUT),
+                (SYSTEM + list(range(3000, 4400)), OUT)]
+    taken = []  # backtrack states each request admitted, served
+    for tokens, out in requests:
+        req, served_hit = run_request(cc, tokens, len(out), chunk_size=CHUNK, out_tokens=out,
+                                    chunk_end=chunk_end_for_branch, decode_at_once=True)
+        assert served_hit == sim.serve(np.asarray(tokens), np.asarray(out)).hit_tokens
+        taken.append(req.marconi_backtrack.taken)
+    served, model = cc.cache.marconi.admission, sim.counters
+    figures = runtime.metrics(cc.cache)
+    cc.check_no_leak()
+    runtime.close()
+    assert max(taken) == per_request, taken  # the long replays reach B, and none passes it
+    # the counter: every backtrack state a request admitted, once, and what the model admits
+    assert served.backtrack_admitted == sum(taken)
+    assert served.backtrack_admitted == model.backtrack_admitted
+    assert figures["marconi_backtrack_states_admitted"] == served.backtrack_admitted
+    # the input-end probationary states are counted apart from them
+    assert (served.probationary_admitted - served.backtrack_admitted
+            == model.probationary_admitted - model.backtrack_admitted)

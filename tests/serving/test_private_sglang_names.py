@@ -32,7 +32,9 @@ OWN = {
     "_is_device_leaf": "policy/tree/tiered_cache.py",
     "_key": "policy/ (radix tree, caches)",
     "_new_node": "policy/ (radix tree, caches)",
+    "_profile": "scripts/bench_sglang_cache.py",
     "_read": "serving/shared_ring.py",
+    "_rows": "policy/tuning/evidence.py",
     "_set": "serving/tree_index.py",
     "_thread": "tests/server/port_forward.py",
 }

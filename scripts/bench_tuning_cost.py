@@ -46,6 +46,7 @@ class ReferenceTuner:
         self.tuner = tuner
         self.log = tuner.log
         self.current = tuner.current
+        self.record = None  # the reference has no depth choices, so no record of finished sequences
 
     def observe(self, session_key, input_tokens, output_tokens, *, sequence=None):
         choice = self.tuner.observe(session_key, input_tokens, output_tokens)

@@ -3,7 +3,8 @@
     python scripts/check_sim_vs_served.py --workload synthetic:lmsys[:key=value,...] | --trace FILE
         --model PROFILE --kv-tokens N (--mamba-slots M | --kind sliding-window --swa-tokens S)
         [--mamba-radix-cache-strategy no_buffer|extra_buffer] [--chunked-prefill-size N]
-        [--alpha A|lru|auto] [--probation on|off] [--shadows] [--session-keys in-memory|24h]
+        [--alpha A|lru|auto] [--probation on|off] [--backtrack-states auto|B] [--shadows]
+        [--session-keys in-memory|24h]
         [--limit N] [--json OUT]
 
 Replays one trace (any format the simulator reads, token ids where it has them) twice:
@@ -115,7 +116,8 @@ class Report:
             pools = (f"KV {c['kv_tokens']} tokens, {c['mamba_slots']} Mamba slots, {c['strategy']}, chunk "
                      f"{c['chunk']}")
         out = [f"{c['workload']} on {c['model']}: {self.requests} requests, {self.input_tokens:,} input tokens; "
-               f"{pools}, alpha {c['alpha']}, probation {'on' if c['probation'] else 'off'}",
+               f"{pools}, alpha {c['alpha']}, probation {'on' if c['probation'] else 'off'}"
+               + (f", backtrack states {c['backtrack_states']}" if c.get("backtrack_states") is not None else ""),
                f"requests with identical hits: {self.agree}/{self.requests} ({100 * self.share:.2f}%)",
                f"total hit tokens: served {self.served_hits:,}, simulated {self.sim_hits:,} "
                f"({100 * self.totals_gap:.3f}% apart; token hit rate served "
@@ -190,9 +192,10 @@ def _cause(index: int, served: Side, sim: Side) -> str:
 
 def run(requests, profile_name: str, kv_tokens: int, mamba_slots: int, strategy: str = "no_buffer",
         chunk: int | None = None, alpha="auto", probation: bool = True, shadows: bool = False,
-        workload_name: str = "?", sync_every: int = 32) -> Report:
+        workload_name: str = "?", sync_every: int = 32, backtrack_states: int | None = None) -> Report:
     """Replay `requests` through SGLang's cache and the simulator's model of it; the report.
-    Requests that carry cache hints carry them on both sides."""
+    Requests that carry cache hints carry them on both sides. `backtrack_states`: B per request
+    on both sides (`--marconi-backtrack-states`; None: the rule's default for the strategy)."""
     warnings.filterwarnings("ignore")
     import sglang_cpu  # noqa: F401 (SGLang's Python tree core, set before SGLang loads)
 
@@ -210,14 +213,14 @@ def run(requests, profile_name: str, kv_tokens: int, mamba_slots: int, strategy:
     install_two_pass_prefill_hook(apply_now=True)  # what the plugin registers in a scheduler
     try:
         return _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chunk, alpha, probation,
-                    shadows, workload_name, sync_every)
+                    shadows, workload_name, sync_every, backtrack_states)
     finally:
         if not hooked:
             two_pass_prefill.uninstall_two_pass_prefill_hook()
 
 
 def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chunk, alpha, probation, shadows,
-         workload_name, sync_every) -> Report:
+         workload_name, sync_every, backtrack_states) -> Report:
     from sglang_cpu import build_marconi_serving, node_depth, run_request
 
     from sglang_marconi.policy.tree.served_cache import ServedPools
@@ -235,7 +238,8 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
         raise SystemExit("--shadows compares the shadow of a fixed choice with the live cache: give --alpha A or lru")
     config = MarconiServingConfig(alpha=None if tuned else (0.0 if choice == LRU or depth else choice),
                                   eviction=alpha if depth else "marconi", probation=probation,
-                                  tune_workers=0, tune_sync_every=sync_every)
+                                  tune_workers=0, tune_sync_every=sync_every,
+                                  extra={} if backtrack_states is None else {"backtrack_states": backtrack_states})
     longest = max(r.input_len + r.output_len for r in requests)
     cc, runtime = build_marconi_serving(config, profile=profile, kv_size=kv_tokens, mamba_size=mamba_slots,
                                         max_num_reqs=2, max_context_len=max(4096, 2 * longest),
@@ -249,7 +253,7 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
         runtime.settings.choice = LRU
     pools = served_pools(cc.cache, config)
     assert pools == ServedPools(kv_tokens, mamba_slots, strategy, chunk, pools.snapshot_step,
-                                pools.decode_snapshot_step, pools.tracking_slots), pools
+                                pools.decode_snapshot_step, pools.tracking_slots, backtrack_states), pools
     served, sim = Side(), Side()
     clock = {"request": 0}
 
@@ -324,6 +328,7 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
     return Report(
         config={"workload": workload_name, "model": profile_name, "kv_tokens": kv_tokens, "mamba_slots": mamba_slots,
                 "strategy": strategy, "chunk": chunk, "alpha": alpha, "probation": probation,
+                "backtrack_states": backtrack_states,
                 "served_choices": served.choices, "sim_choices": sim.choices, "hints": hints, "tuner_s": tuner_s},
         requests=len(requests), agree=int((a == b).sum()), served_hits=int(a.sum()), sim_hits=int(b.sum()),
         input_tokens=int(sum(r.input_len for r in requests)), first=first, wall_s=wall, shadow=shadow)
@@ -465,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", default="auto", help="A (fixed alpha), lru (SGLang's LRU), auto (tuned online), "
                                                   "or depth:B / depth:auto (the depth rule, fixed: --marconi-eviction)")
     p.add_argument("--probation", default="on", choices=("on", "off"), help="--kind ssm: probationary states")
+    p.add_argument("--backtrack-states", default="auto",
+                   help="--kind ssm: backtrack states per request on both sides, as --marconi-backtrack-states "
+                        "(auto: the rule's default for the strategy; 0: off)")
     p.add_argument("--tune-sync-every", type=int, default=32)
     p.add_argument("--shadows", action="store_true", help="also check the tuner's shadow of the live choice")
     p.add_argument("--session-keys", choices=("in-memory", "24h"),
@@ -482,6 +490,15 @@ def main(argv=None) -> int:
         parser.error("--kind sliding-window takes --kv-tokens and --swa-tokens (no --mamba-slots)")
     if not swa and (args.mamba_slots is None or args.swa_tokens is not None):
         parser.error("--kind ssm takes --kv-tokens and --mamba-slots (no --swa-tokens)")
+    from sglang_marconi.policy.errors import MarconiError
+    from sglang_marconi.serving.config import parse_backtrack_states
+
+    try:
+        backtrack = parse_backtrack_states(args.backtrack_states, "--backtrack-states")
+    except MarconiError as exc:
+        parser.error(str(exc))
+    if swa and backtrack is not None:
+        parser.error("--backtrack-states: SSM states (--kind ssm)")
     from sglang_marconi.sim.traces import load_workload
 
     workload = load_workload(args.trace or args.workload, args.mooncake_tokens)
@@ -500,7 +517,7 @@ def main(argv=None) -> int:
     else:
         report = run(requests, args.model, args.kv_tokens, args.mamba_slots, args.mamba_radix_cache_strategy,
                      args.chunked_prefill_size, alpha, args.probation == "on", args.shadows,
-                     workload_name=name, sync_every=args.tune_sync_every)
+                     workload_name=name, sync_every=args.tune_sync_every, backtrack_states=backtrack)
     print("\n".join(report.lines()))
     if args.json:
         path = Path(args.json)

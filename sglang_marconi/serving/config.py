@@ -44,13 +44,20 @@ class MarconiServingConfig:
     bootstrap_multiplier: float = 5.0  # checked, no effect: tuning has no bootstrap windows (the flag still parses)
     hinted_share: float = DEFAULT_HINTED_SHARE  # of each pool, at most, for client-hinted entries; 0: hints unused
     hint_horizon: int | None = None  # releases a hint's credit lasts; None: learned from the stream
-    extra: dict = field(default_factory=dict)  # "backtrack_states": --marconi-backtrack-states B, absent for auto
+    # "backtrack_states": --marconi-backtrack-states B, absent for auto; "host_depth": --marconi-host-depth, absent for off
+    extra: dict = field(default_factory=dict)
 
     @property
     def backtrack_states(self) -> int | None:
         """Backtrack states per request (`policy/rules/backtrack_states.py`; 0: off); None: the
         rule's default for the Mamba strategy."""
         return (self.extra or {}).get("backtrack_states")
+
+    @property
+    def host_depth(self) -> float | str | None:
+        """The host tier's continuation signal, `MarconiTiering(depth=...)` (--marconi-host-depth:
+        a number B or "auto"); None: off."""
+        return (self.extra or {}).get("host_depth")
 
     @property
     def fixed_choice(self):
@@ -121,11 +128,13 @@ def _number(flag: str, text: str, kind=float):
         raise _flag_error(flag, text, f"expected {'an integer' if kind is int else 'a number'}") from None
 
 
-def _backtrack_states(text: str) -> int | None:
+def parse_backtrack_states(text: str, flag: str = "--marconi-backtrack-states") -> int | None:
+    """B from 'auto' (None: the rule's default for the Mamba strategy) or an integer >= 0 (0: off);
+    a bad value raises a one-line error naming `flag` and the value."""
     if text == "auto":
         return None
     if not (text.isascii() and text.isdigit()):  # digits only: no sign, no fraction
-        raise _flag_error("--marconi-backtrack-states", text, "expected 'auto' or an integer >= 0")
+        raise _flag_error(flag, text, "expected 'auto' or an integer >= 0")
     return int(text)
 
 
@@ -140,6 +149,21 @@ def _eviction(text: str) -> str:
     # argparse prints it in one line, after the flag's name
     raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(EVICTIONS)}, depth:B (0 <= B <= "
                                      f"{MAX_EXPONENT:g}) or depth:auto")
+
+
+def parse_host_depth(text: str, flag: str = "--marconi-host-depth") -> float | str | None:
+    """The host tier's continuation signal (`tier_rules.MarconiTiering(depth=...)`): None from
+    'off', 'auto', or a number B (0 <= B <= the depth rule's bound); a bad value raises a one-line
+    error naming `flag` and the value."""
+    if text in ("off", "auto"):
+        return None if text == "off" else text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_EXPONENT:
+        raise _flag_error(flag, text, f"expected 'off', 'auto' or a number B (0 <= B <= {MAX_EXPONENT:g})")
+    return value
 
 
 def add_marconi_args(parser: argparse.ArgumentParser) -> None:
@@ -165,6 +189,11 @@ def add_marconi_args(parser: argparse.ArgumentParser) -> None:
                         "so an agent that comes back to an earlier point of its trajectory lands near it (0: off); "
                         f"auto: B={DEFAULT_PER_REQUEST} with --mamba-radix-cache-strategy extra_buffer, off with "
                         "no_buffer")
+    g.add_argument("--marconi-host-depth", default="off",
+                   help="with --enable-hierarchical-cache --hicache-write-policy write_back: rank the host tier "
+                        "by conversation depth, age / (1 + depth)^B (B, or 'auto' to fit B from the stream); "
+                        "ahead where the host is contended, slightly behind where it is ample; off: by recency "
+                        "and FLOPs saved per byte")
     g.add_argument("--marconi-tune-workers", default="1",
                    help="1: shadow caches in a background process; 0: on the scheduler thread (debugging)")
     g.add_argument("--marconi-tune-sample-rate", default="1", help="share of sessions the shadow caches see")
@@ -218,12 +247,16 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
     if ns.marconi_eviction.startswith("depth:") and not _on_off("--marconi-admission", ns.marconi_admission):
         # the depth rule's record is fed by Marconi's admission as each request finishes
         raise _flag_error("--marconi-eviction", ns.marconi_eviction, "needs --marconi-admission on")
-    backtrack = _backtrack_states(ns.marconi_backtrack_states)
+    backtrack = parse_backtrack_states(ns.marconi_backtrack_states)
     if backtrack and not (_on_off("--marconi-admission", ns.marconi_admission)
                           and _on_off("--marconi-probation", ns.marconi_probation)):
         # backtrack states are probationary states of Marconi's admission
         raise _flag_error("--marconi-backtrack-states", ns.marconi_backtrack_states,
                           "needs --marconi-admission on and --marconi-probation on")
+    host_depth = parse_host_depth(getattr(ns, "marconi_host_depth", "off"))
+    if host_depth is not None and not _on_off("--marconi-admission", ns.marconi_admission):
+        # the host's depth order reads the record Marconi's admission feeds
+        raise _flag_error("--marconi-host-depth", ns.marconi_host_depth, "needs --marconi-admission on")
     stall = _number("--marconi-tune-stall-timeout", ns.marconi_tune_stall_timeout)
     if not stall > 0:
         raise _flag_error("--marconi-tune-stall-timeout", ns.marconi_tune_stall_timeout, "must be > 0")
@@ -246,7 +279,8 @@ def config_from_args(ns: argparse.Namespace) -> MarconiServingConfig:
         bootstrap_multiplier=multiplier,
         hinted_share=share,
         hint_horizon=horizon,
-        extra={} if backtrack is None else {"backtrack_states": backtrack},
+        extra={**({} if backtrack is None else {"backtrack_states": backtrack}),
+               **({} if host_depth is None else {"host_depth": host_depth})},
     )
     try:
         config.tuning()  # the tuner's own checks, reported against the flags

@@ -150,3 +150,31 @@ def test_the_flag_reaches_the_rule_and_the_counter_counts_its_states(extra_buffe
     # the input-end probationary states are counted apart from them
     assert (served.probationary_admitted - served.backtrack_admitted
             == model.probationary_admitted - model.backtrack_admitted)
+
+
+def _check_script():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "check_sim_vs_served.py"
+    spec = importlib.util.spec_from_file_location("check_sim_vs_served", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_request_by_request_check_runs_both_sides_with_the_same_setting():
+    check = _check_script()
+    workload = list(agent_backtrack(sessions=3, steps=14, system=120, observation=(100, 500), max_input=3000,
+                                    backtrack=0.5))
+    reports = {b: check.run(workload, PROFILE, 4000, 12, "extra_buffer", CHUNK, 0.0, True,
+                            backtrack_states=b, workload_name="agent-backtrack") for b in (0, 3)}
+    for b, report in reports.items():
+        assert report.agree == report.requests and report.served_hits == report.sim_hits, report.lines()
+        assert report.config["backtrack_states"] == b
+    assert reports[3].served_hits != reports[0].served_hits  # the setting reached the served cache
+    with pytest.raises(SystemExit):
+        check.main(["--workload", "synthetic:swe-agent", "--kv-tokens", "4000", "--mamba-slots", "12",
+                    "--backtrack-states", "-1"])

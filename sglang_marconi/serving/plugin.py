@@ -204,9 +204,10 @@ def marconi_radix_cache_factory(ctx):
         cache_class = one_budget_cache_class()
     cache = create_unified_radix_cache(ctx, cache_class=cache_class)
     if getattr(cache, "cache_controller", None) is not None:  # HiCache write_back: Marconi's tiers
+        from sglang_marconi.policy.rules.tier_rules import MarconiTiering
         from sglang_marconi.serving.host_tier import attach_host_tier
 
-        attach_host_tier(cache, profile)
+        attach_host_tier(cache, profile, MarconiTiering(depth=config.host_depth))  # --marconi-host-depth
     runtime = attach_runtime(cache, config, group=group)
     from sglang_marconi.serving.cache_hints import attach_hints
 

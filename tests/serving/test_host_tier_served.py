@@ -684,3 +684,48 @@ def test_the_tier_rule_with_depth_keeps_a_continued_conversation_on_the_host_in_
     for recency_only in (MarconiTiering(depth=0.0), MarconiTiering(0.0)):
         assert _served_continued_turn_hit(recency_only)[0] == 0
         assert _simulated_continued_turn_hit(recency_only) == 0
+
+
+@pytest.mark.parametrize("flag, depth", [(None, None), ("off", None), ("2.5", 2.5), ("0", 0.0), ("auto", "auto")])
+def test_marconi_host_depth_reaches_the_tier_rule_the_factory_builds(flag, depth, monkeypatch):
+    """--marconi-host-depth, parsed by the launcher's flags and carried in the scheduler's
+    environment, is the tier rule SGLang's HiCache write_back cache runs: `MarconiTiering(depth=B)`
+    (or "auto") with a record of finished sequences for its depth order; off (the default): the
+    FLOP rule's host order, no record."""
+    import argparse
+
+    from sglang_marconi.policy.rules.continuation import ContinuationRecord
+    from sglang_marconi.policy.rules.tier_rules import DepthOrder
+    from sglang_marconi.serving.config import ENV_VAR, add_marconi_args, config_from_args
+    from sglang_marconi.serving.plugin import marconi_radix_cache_factory
+
+    parser = argparse.ArgumentParser()
+    add_marconi_args(parser)
+    argv = [] if flag is None else ["--marconi-host-depth", flag]
+    monkeypatch.setenv(ENV_VAR, config_from_args(parser.parse_args(argv)).to_env())
+    cache = marconi_radix_cache_factory(_hicache_context("write_back"))
+    tier = cache.marconi.host_tier
+    assert tier is not None and tier.rules.depth == depth
+    assert tier.rules.ranks_by_depth == (depth is not None)
+    continuation = cache.marconi.settings.continuation
+    if depth is None:
+        assert not isinstance(tier.order, DepthOrder)
+    else:
+        assert isinstance(continuation, ContinuationRecord)
+        assert tier.order == DepthOrder(0.0 if depth == "auto" else depth)  # auto: B = 0 until evidence
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "nan", "1e9", "", "on"])
+def test_a_bad_marconi_host_depth_is_named_in_one_line(value):
+    import argparse
+
+    from sglang_marconi.policy.errors import MarconiError
+    from sglang_marconi.serving.config import add_marconi_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_marconi_args(parser)
+    with pytest.raises(MarconiError) as err:
+        config_from_args(parser.parse_args(["--marconi-host-depth", value]))
+    assert "--marconi-host-depth" in str(err.value) and repr(value) in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(MarconiError, match="needs --marconi-admission on"):
+        config_from_args(parser.parse_args(["--marconi-host-depth", "2", "--marconi-admission", "off"]))

@@ -73,6 +73,15 @@ def _host_alpha(text: str) -> float | None:
     return value
 
 
+def _backtrack_states(text: str) -> int | None:
+    from sglang_marconi.serving.config import parse_backtrack_states  # engine-free: the launcher's own parser
+
+    try:
+        return parse_backtrack_states(text, "--backtrack-states")
+    except MarconiError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _sample_rate(text: str) -> float | None:
     if text == "auto":
         return None
@@ -145,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     served.add_argument("--swa-tokens", type=int,
                         help="sliding-window models: the server's SWA KV pool, in token slots (with --kv-tokens, the "
                              "full-KV pool): marconi runs as served on those two pools")
+    served.add_argument("--backtrack-states", type=_backtrack_states, default=None, metavar="auto|B",
+                        help="backtrack states per request, as the server's --marconi-backtrack-states (default "
+                             "auto: 3 in extra_buffer, off in no_buffer; 0: off)")
     served.add_argument("--tune-sync-every", type=int, default=32,
                         help="tuned marconi: requests between the server's sync points (--marconi-tune-sync-every)")
     p.add_argument("--no-progress", action="store_true")
@@ -270,6 +282,8 @@ def served_swa_pools_of(args: argparse.Namespace, profile) -> tuple[int, int] | 
 def served_pools_of(args: argparse.Namespace):
     """The served cache's pools from the command line (`--kv-tokens`, `--mamba-slots`, ...), or None."""
     if args.kv_tokens is None and args.mamba_slots is None:
+        if getattr(args, "backtrack_states", None) is not None:
+            raise MarconiError("--backtrack-states runs on the served cache's pools: give --kv-tokens and --mamba-slots")
         return None
     if args.kv_tokens is None or args.mamba_slots is None:
         raise MarconiError("--kv-tokens and --mamba-slots go together (the server's two pools)")
@@ -278,7 +292,8 @@ def served_pools_of(args: argparse.Namespace):
     from sglang_marconi.policy.tree.served_cache import ServedPools
 
     return ServedPools(args.kv_tokens, args.mamba_slots, args.mamba_radix_cache_strategy, args.chunked_prefill_size,
-                       args.mamba_cache_chunk_size, math.lcm(args.mamba_cache_chunk_size, args.mamba_track_interval))
+                       args.mamba_cache_chunk_size, math.lcm(args.mamba_cache_chunk_size, args.mamba_track_interval),
+                       backtrack_states=getattr(args, "backtrack_states", None))
 
 
 def format_table(runs: list[RunResult]) -> str:

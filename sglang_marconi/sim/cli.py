@@ -13,7 +13,8 @@ total_prompt_tokens, overall_hit_rate, final_cache_blocks and evictions.
 
 A host tier (`--host-capacity 100GB,400GB`, SGLang's HiCache with write_back) gives sglang+
 (upstream's write-back rule, LRU on both tiers) and marconi (Marconi's demote-or-drop by FLOPs
-saved per byte) a host tier per device capacity and host capacity; their runs add
+saved per byte; `--host-depth B|auto` ranks its host by conversation depth instead) a host tier
+per device capacity and host capacity; their runs add
 host_capacity_bytes, device_hit_tokens, host_hit_tokens, device/host_token_hit_rate,
 requests_host_hit, bytes_demoted, bytes_loaded, bytes_dropped, bytes_evicted_host,
 bytes_reclaimed, states_demoted, states_dropped, states_evicted_host, load_backs (and more), and
@@ -73,6 +74,15 @@ def _host_alpha(text: str) -> float | None:
     return value
 
 
+def _host_depth(text: str) -> float | str | None:
+    from sglang_marconi.serving.config import parse_host_depth  # engine-free: the launcher's own parser
+
+    try:
+        return parse_host_depth(text, "--host-depth")
+    except MarconiError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _backtrack_states(text: str) -> int | None:
     from sglang_marconi.serving.config import parse_backtrack_states  # engine-free: the launcher's own parser
 
@@ -113,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-alpha", type=_host_alpha, default=1.0,
                    help="marconi's host ranking: recency + A x FLOPs saved per byte (default 1: equal weights; "
                         "'device': the device's alpha in force)")
+    p.add_argument("--host-depth", type=_host_depth, default=None, metavar="off|B|auto",
+                   help="marconi's host ranking by conversation depth instead, age / (1 + depth)^B (a number B, "
+                        "or 'auto' fitted from the stream), as the server's --marconi-host-depth (default off)")
     p.add_argument("--json", help="write the runs here")
     p.add_argument("--plot", help="write a PNG of hit rate and FLOPs saved against capacity")
     p.add_argument("--alpha", type=float, help="fix Marconi's alpha instead of tuning it")
@@ -181,6 +194,8 @@ def run(args: argparse.Namespace) -> list[RunResult]:
     host_capacities = parse_host_capacities(args.host_capacity) if args.host_capacity else [0]
     if args.host_capacity and not any(map(has_host_tier, policies)):
         raise MarconiError("--host-capacity gives sglang+ and marconi a host tier, and --policies names neither")
+    if args.host_depth is not None and not args.host_capacity:
+        raise MarconiError(f"--host-depth {args.host_depth!r} ranks marconi's host tier: give --host-capacity")
     if args.host_capacity and (served is not None or swa_pools is not None):
         raise MarconiError("--host-capacity models a host tier on one byte budget (--capacity); the served pools "
                            "(--kv-tokens / --mamba-slots / --swa-tokens) have none modeled")
@@ -253,7 +268,8 @@ def run(args: argparse.Namespace) -> list[RunResult]:
                     policy_name, profile, capacity, alpha=args.alpha, block_size=args.block_size,
                     swa_share=args.swa_share, served=served, sync_every=args.tune_sync_every,
                     checkpoint_grid=args.checkpoint_grid, tuning=config,
-                    probation=args.probation, host_capacity=host, host_alpha=args.host_alpha))
+                    probation=args.probation, host_capacity=host, host_alpha=args.host_alpha,
+                    host_depth=args.host_depth))
                 runs.append(replay(workload, policy, profile, capacity, **replay_args))
                 if hasattr(policy, "request_records"):  # SWA policies: hit-end reasons per request
                     runs[-1].per_request.update(policy.request_records())

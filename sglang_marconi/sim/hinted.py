@@ -2,7 +2,9 @@
 caches the simulator runs, and workloads whose requests carry hints.
 
 `HintedPolicy` wraps a policy whose `cache` is the policy core's hybrid tree (`TreeCore`:
-SGLang+, Marconi, coverage) or the model of the served cache (`ServedCache`). After the wrapped
+SGLang+, Marconi, coverage; with a host tier, `TieredPrefixCache`) or the model of the served
+cache (`ServedCache`). A cache with a host tier is handed the ledger as its `client_hints`, so
+a node a `24h` credit is in force on is kept on the host (`tier_rules`). After the wrapped
 policy serves a request, the ledger sees the release; a hinted request's credit goes to the
 deepest node of its sequence that holds a state (the one its next turn hits; with no SSM layers,
 the deepest cached node), charged the tokens up to that node's end plus its state. A request
@@ -40,7 +42,7 @@ class TreeCoreStamps:
 
     def set_stamps(self, node, kv: float, state: float) -> None:
         node.last_access = kv
-        if node.slot >= 0:
+        if node.slot >= 0 or getattr(node, "hslot", -1) >= 0:  # a device or a host candidate
             self.cache._refresh(node)
 
     @staticmethod
@@ -125,6 +127,10 @@ class HintedPolicy:
         self.policy = policy
         self.name = f"{policy.name}+hints"
         self.ledger = ledger_for(policy.cache, share=share, horizon=horizon)
+        if hasattr(policy.cache, "client_hints"):  # a host tier keeps what a `24h` credit is in force on
+            policy.cache.client_hints = self.ledger
+        if hasattr(policy, "tier_summary"):  # a host tier's figures, as the replay reports them
+            self.tier_summary = policy.tier_summary
 
     @property
     def cache(self):
@@ -189,10 +195,10 @@ def with_session_keys(workload: Workload, retention: str = IN_MEMORY, *, last_tu
 
 def with_trace_hints(policy, *, share: float = DEFAULT_HINTED_SHARE):
     """`policy` applying the hints its requests carry, where the rule has a model of its cache (the
-    hybrid tree, the served cache); else `policy` itself. Keeps the policy's name: a workload
-    without hints replays exactly as through `policy`."""
+    hybrid tree, with or without a host tier, the served cache); else `policy` itself. Keeps the
+    policy's name: a workload without hints replays exactly as through `policy`."""
     cache = getattr(policy, "cache", None)
-    if type(cache).__name__ not in ("HybridPrefixCache", "ServedCache"):
+    if type(cache).__name__ not in ("HybridPrefixCache", "TieredPrefixCache", "ServedCache"):
         return policy
     hinted = HintedPolicy(policy, share=share)
     hinted.name = policy.name

@@ -73,13 +73,14 @@ SERVED_POLICY_NAMES = ("none", "sglang+", "marconi", "infinite")
 def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None = None, block_size: int = 32,
                  checkpoint_grid: int = 1, tuning: ShadowConfig | None = None, probation: bool = False,
                  swa_share: float | None = None, host_capacity: int | None = None, host_alpha: float | None = 1.0,
-                 served=None, sync_every: int = 32):
+                 host_depth: float | str | None = None, served=None, sync_every: int = 32):
     """`marconi` tunes alpha unless `alpha` is given; `marconi:A` always fixes alpha = A.
     `probation`: SGLang+ and Marconi keep probationary states (`HybridPrefixCache`).
     A model with sliding-window layers runs the SWA policies (`swa_share`: a static split of the
     bytes between global and SWA KV; furiosa's default is proportional, the others' one budget).
     `host_capacity` (bytes, > 0) gives SGLang+ and Marconi a host tier (`host_alpha`: Marconi's
-    host ranking weight, None to follow the device's alpha).
+    host ranking weight, None to follow the device's alpha; `host_depth`, a number B or "auto":
+    Marconi's host ranked by conversation depth instead, `tier_rules.MarconiTiering(depth=...)`).
     `served` (`ServedPools`): the policy is the model of SGLang's cache on those pools
     (`sim/baselines/served.py`; `capacity_bytes` unused), tuned choices adopted every `sync_every`
     requests as the server adopts them."""
@@ -88,7 +89,7 @@ def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None
         return _build_served_policy(name, base, fixed, profile, served, alpha, tuning, probation, sync_every)
     if host_capacity:
         return _build_host_tier_policy(name, base, fixed, profile, capacity_bytes, host_capacity, alpha, host_alpha,
-                                       checkpoint_grid, tuning, probation)
+                                       checkpoint_grid, tuning, probation, host_depth)
     if getattr(profile, "has_sliding_window", False) and base not in ("none", "infinite"):
         return _build_swa_policy(name, base, fixed, profile, capacity_bytes, alpha, tuning, swa_share)
     if base == "furiosa":
@@ -117,7 +118,7 @@ def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None
 
 
 def _build_host_tier_policy(name, base, fixed, profile, capacity_bytes, host_capacity, alpha, host_alpha,
-                            checkpoint_grid, tuning, probation):
+                            checkpoint_grid, tuning, probation, host_depth=None):
     from sglang_marconi.sim.baselines.tiered_radix import marconi_host, sglang_plus_host
 
     if base not in HOST_TIER_POLICIES:
@@ -130,7 +131,7 @@ def _build_host_tier_policy(name, base, fixed, profile, capacity_bytes, host_cap
     if base == "sglang+":
         return sglang_plus_host(profile, capacity_bytes, host_capacity, checkpoint_grid=checkpoint_grid)
     return marconi_host(profile, capacity_bytes, host_capacity, alpha=float(fixed) if fixed else alpha,
-                        host_alpha=host_alpha, checkpoint_grid=checkpoint_grid, tuning=tuning)
+                        host_alpha=host_alpha, host_depth=host_depth, checkpoint_grid=checkpoint_grid, tuning=tuning)
 
 
 def _build_swa_policy(name, base, fixed, profile, capacity_bytes, alpha, tuning, swa_share):

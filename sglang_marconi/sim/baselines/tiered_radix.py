@@ -6,7 +6,7 @@ eviction writes to the host, LRU on the host. `marconi` is FLOP-aware eviction o
 (alpha tuned online by device shadow caches, as without a host tier, or fixed) and
 `MarconiTiering`: demote or drop by FLOPs saved per byte with recency, the host ranking its own
 candidates (`host_alpha`: its weight of FLOPs per byte against recency, None to follow the
-device's alpha). The tuner's shadows model the device tier alone: they choose how the device
+device's alpha), or, with `host_depth`, by conversation depth (`tier_rules.DepthOrder`). The tuner's shadows model the device tier alone: they choose how the device
 evicts, not what the host keeps.
 """
 
@@ -56,12 +56,16 @@ def sglang_plus_host(profile, capacity_bytes: int, host_capacity_bytes: int, *,
 
 
 def marconi_host(profile, capacity_bytes: int, host_capacity_bytes: int, *, alpha: float | None = None,
-                 host_alpha: float | None = 1.0, checkpoint_grid: int = 1,
+                 host_alpha: float | None = 1.0, host_depth: float | str | None = None, checkpoint_grid: int = 1,
                  tuning: ShadowConfig | None = None) -> TieredRadixPolicy:
-    """alpha=None tunes the device's eviction choice online; host_alpha=None follows the device's alpha."""
-    rules = MarconiTiering(host_alpha)
+    """alpha=None tunes the device's eviction choice online; host_alpha=None follows the device's alpha.
+    `host_depth` (a number B or "auto"): the host ranked by the continuation signal instead
+    (`MarconiTiering(depth=...)`, its record fed by this cache), as `--marconi-host-depth` serves it."""
+    rules = MarconiTiering(host_alpha, depth=host_depth)
+    suffix = "" if host_depth is None else f"+host-depth:{host_depth if host_depth == 'auto' else f'{host_depth:g}'}"
     if alpha is None:
-        return TieredRadixPolicy("marconi", profile, capacity_bytes, host_capacity_bytes, rules, FlopAwareEviction(0.0),
-                                 checkpoint_grid=checkpoint_grid, tuning=tuning or ShadowConfig())
-    return TieredRadixPolicy(f"marconi(alpha={alpha:g})", profile, capacity_bytes, host_capacity_bytes, rules,
+        return TieredRadixPolicy(f"marconi{suffix}", profile, capacity_bytes, host_capacity_bytes, rules,
+                                 FlopAwareEviction(0.0), checkpoint_grid=checkpoint_grid,
+                                 tuning=tuning or ShadowConfig())
+    return TieredRadixPolicy(f"marconi(alpha={alpha:g}){suffix}", profile, capacity_bytes, host_capacity_bytes, rules,
                              FlopAwareEviction(alpha), checkpoint_grid=checkpoint_grid)

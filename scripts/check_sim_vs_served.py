@@ -491,7 +491,7 @@ def main(argv=None) -> int:
     if not swa and (args.mamba_slots is None or args.swa_tokens is not None):
         parser.error("--kind ssm takes --kv-tokens and --mamba-slots (no --swa-tokens)")
     from sglang_marconi.policy.errors import MarconiError
-    from sglang_marconi.serving.config import parse_backtrack_states
+    from sglang_marconi.policy.rules.backtrack_states import parse_backtrack_states
 
     try:
         backtrack = parse_backtrack_states(args.backtrack_states, "--backtrack-states")

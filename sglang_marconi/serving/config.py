@@ -12,9 +12,10 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.rules.backtrack_states import DEFAULT_PER_REQUEST
+from sglang_marconi.policy.rules.backtrack_states import DEFAULT_PER_REQUEST, parse_backtrack_states
 from sglang_marconi.policy.rules.cache_hints import DEFAULT_HINTED_SHARE
 from sglang_marconi.policy.rules.eviction.depth import MAX_EXPONENT, depth_rule_of
+from sglang_marconi.policy.rules.tier_rules import parse_host_depth
 from sglang_marconi.policy.tuning.shadow_tuner import (
     DEFAULT_ALPHA_GRID, DEFAULT_SEGLEN_WEIGHTS, OBJECTIVES, ShadowConfig, parse_alpha_grid,
     parse_seglen_weights,
@@ -128,16 +129,6 @@ def _number(flag: str, text: str, kind=float):
         raise _flag_error(flag, text, f"expected {'an integer' if kind is int else 'a number'}") from None
 
 
-def parse_backtrack_states(text: str, flag: str = "--marconi-backtrack-states") -> int | None:
-    """B from 'auto' (None: the rule's default for the Mamba strategy) or an integer >= 0 (0: off);
-    a bad value raises a one-line error naming `flag` and the value."""
-    if text == "auto":
-        return None
-    if not (text.isascii() and text.isdigit()):  # digits only: no sign, no fraction
-        raise _flag_error(flag, text, "expected 'auto' or an integer >= 0")
-    return int(text)
-
-
 def _eviction(text: str) -> str:
     if text in EVICTIONS:
         return text
@@ -149,21 +140,6 @@ def _eviction(text: str) -> str:
     # argparse prints it in one line, after the flag's name
     raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(EVICTIONS)}, depth:B (0 <= B <= "
                                      f"{MAX_EXPONENT:g}) or depth:auto")
-
-
-def parse_host_depth(text: str, flag: str = "--marconi-host-depth") -> float | str | None:
-    """The host tier's continuation signal (`tier_rules.MarconiTiering(depth=...)`): None from
-    'off', 'auto', or a number B (0 <= B <= the depth rule's bound); a bad value raises a one-line
-    error naming `flag` and the value."""
-    if text in ("off", "auto"):
-        return None if text == "off" else text
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= MAX_EXPONENT:
-        raise _flag_error(flag, text, f"expected 'off', 'auto' or a number B (0 <= B <= {MAX_EXPONENT:g})")
-    return value
 
 
 def add_marconi_args(parser: argparse.ArgumentParser) -> None:
@@ -187,8 +163,8 @@ def add_marconi_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--marconi-backtrack-states", default="auto",
                    help="B: up to B extra SSM states per request at the chunk ends of a long replay, on probation, "
                         "so an agent that comes back to an earlier point of its trajectory lands near it (0: off); "
-                        f"auto: B={DEFAULT_PER_REQUEST} with --mamba-radix-cache-strategy extra_buffer, off with "
-                        "no_buffer")
+                        f"auto: off for now (B={DEFAULT_PER_REQUEST} is the measured choice for backtracking agents "
+                        "in extra_buffer)")
     g.add_argument("--marconi-host-depth", default="off",
                    help="with --enable-hierarchical-cache --hicache-write-policy write_back: rank the host tier "
                         "by conversation depth, age / (1 + depth)^B (B, or 'auto' to fit B from the stream); "

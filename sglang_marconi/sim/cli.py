@@ -75,7 +75,7 @@ def _host_alpha(text: str) -> float | None:
 
 
 def _host_depth(text: str) -> float | str | None:
-    from sglang_marconi.serving.config import parse_host_depth  # engine-free: the launcher's own parser
+    from sglang_marconi.policy.rules.tier_rules import parse_host_depth  # the launcher's own parser
 
     try:
         return parse_host_depth(text, "--host-depth")
@@ -84,7 +84,7 @@ def _host_depth(text: str) -> float | str | None:
 
 
 def _backtrack_states(text: str) -> int | None:
-    from sglang_marconi.serving.config import parse_backtrack_states  # engine-free: the launcher's own parser
+    from sglang_marconi.policy.rules.backtrack_states import parse_backtrack_states  # the launcher's own parser
 
     try:
         return parse_backtrack_states(text, "--backtrack-states")

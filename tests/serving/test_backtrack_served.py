@@ -20,6 +20,7 @@ from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.config import MarconiServingConfig, add_marconi_args, config_from_args  # noqa: E402
 from sglang_marconi.serving.runtime import served_pools  # noqa: E402
 from sglang_marconi.sim.stress import agent_backtrack  # noqa: E402
+from test_sim_equivalence import _check_script  # noqa: E402
 
 CHUNK = 128
 PROFILE = "nemotron-h-8b"
@@ -115,8 +116,8 @@ def config_of_flags(*flags) -> MarconiServingConfig:
 
 
 # (strategy, --marconi-backtrack-states, B the flag stands for): each B differs from the strategy's
-# default (3 in extra_buffer, 0 in no_buffer) but "auto", so a flag that never reached the rule fails
-FLAG_CASES = [(True, "1", 1), (True, "0", 0), (True, "auto", 3), (False, "2", 2), (False, "auto", 0)]
+# default (off) but "auto", so a flag that never reached the rule fails
+FLAG_CASES = [(True, "1", 1), (True, "3", 3), (True, "auto", 0), (False, "2", 2), (False, "auto", 0)]
 
 
 @pytest.mark.parametrize("extra_buffer,flag,per_request", FLAG_CASES,
@@ -150,19 +151,6 @@ def test_the_flag_reaches_the_rule_and_the_counter_counts_its_states(extra_buffe
     # the input-end probationary states are counted apart from them
     assert (served.probationary_admitted - served.backtrack_admitted
             == model.probationary_admitted - model.backtrack_admitted)
-
-
-def _check_script():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "check_sim_vs_served.py"
-    spec = importlib.util.spec_from_file_location("check_sim_vs_served", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_request_by_request_check_runs_both_sides_with_the_same_setting():

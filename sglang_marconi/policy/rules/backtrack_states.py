@@ -41,11 +41,13 @@ DEFAULT_PER_REQUEST = 3
 
 def default_setting(extra_buffer: bool) -> int:
     """What a cache runs without a setting (the served config's extra["backtrack_states"], the
-    served-pools model's `ServedPools.backtrack_states` left None), the same on both sides: on in
-    extra_buffer, where upstream keeps a state at every tracked chunk end and Marconi's two per
-    request fall below it on backtracking agents; off in no_buffer, where Marconi's admission is
-    above upstream without it and the rule gains and loses a few tenths of a point."""
-    return DEFAULT_PER_REQUEST if extra_buffer else 0
+    served-pools model's `ServedPools.backtrack_states` left None), the same on both sides: off,
+    in both strategies. In extra_buffer the rule lifts backtracking agents to upstream's level, but
+    on a live server with many users behind one system prompt (SGLang's frontend program) the
+    users from the third on hit only the last chunk end before the shared prompt's end instead of
+    all of it, so it stays an operator's choice (`--marconi-backtrack-states B`) until that is
+    understood. In no_buffer Marconi's admission is above upstream without it."""
+    return 0
 
 
 def upstream_states(input_len: int, resumed_at: int, chunk: int | None) -> int:
@@ -103,3 +105,13 @@ def backtrack_rule_of(setting) -> BacktrackStates | None:
     if isinstance(setting, int) and not isinstance(setting, bool):
         return BacktrackStates(setting)
     raise MarconiError(f"backtrack states must be on, off or a count per request, got {setting!r}")
+
+
+def parse_backtrack_states(text: str, flag: str = "--marconi-backtrack-states") -> int | None:
+    """B from 'auto' (None: the rule's default for the Mamba strategy) or an integer >= 0 (0: off);
+    a bad value raises a one-line error naming `flag` and the value."""
+    if text == "auto":
+        return None
+    if not (text.isascii() and text.isdigit()):  # digits only: no sign, no fraction
+        raise MarconiError(f"{flag} {text!r}: expected 'auto' or an integer >= 0")
+    return int(text)

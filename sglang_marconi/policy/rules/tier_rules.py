@@ -56,7 +56,7 @@ import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules.eviction import FlopAwareEviction
-from sglang_marconi.policy.rules.eviction.depth import check_exponent, fitted_exponent
+from sglang_marconi.policy.rules.eviction.depth import MAX_EXPONENT, check_exponent, fitted_exponent
 from sglang_marconi.policy.rules.eviction.flop_aware import check_alpha
 
 
@@ -204,3 +204,18 @@ def host_candidate_bytes(rules, *, locked: bool, is_root: bool, kv_on_device: bo
 
 
 TIER_RULES = {"sglang+": UpstreamWriteBack, "marconi": MarconiTiering}
+
+
+def parse_host_depth(text: str, flag: str = "--marconi-host-depth") -> float | str | None:
+    """The host tier's continuation signal (`MarconiTiering(depth=...)`) from a flag's text: None from
+    'off', 'auto', or a number B (0 <= B <= the depth rule's bound); a bad value raises a one-line
+    error naming `flag` and the value."""
+    if text in ("off", "auto"):
+        return None if text == "off" else text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_EXPONENT:
+        raise MarconiError(f"{flag} {text!r}: expected 'off', 'auto' or a number B (0 <= B <= {MAX_EXPONENT:g})")
+    return value

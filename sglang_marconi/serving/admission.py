@@ -42,7 +42,7 @@ Backtrack states (`policy/rules/backtrack_states.py`, with probation): a request
 stretch also keeps, on probation, up to B states at the chunk ends its prefill checkpoints anyway,
 spaced to cut the stretch into near-equal FLOP parts, never more states than upstream keeps for it;
 B from the serving config's `extra["backtrack_states"]` (0: off), by default the rule's default for
-the strategy (on in extra_buffer), as the served-pools model's (`ServedPools.backtrack_states`) is.
+the strategy (off), as the served-pools model's (`ServedPools.backtrack_states`) is.
 
 Faults: admission has no state derived from the tree to rebuild, so an exception in its code is
 unrecoverable (`faults.py`): a rank alone takes upstream's admission from then on, a rank of a group

@@ -147,6 +147,8 @@ def test_the_flag_reaches_the_rule_and_the_counter_counts_its_states(extra_buffe
     # the counter: every backtrack state a request admitted, once, and what the model admits
     assert served.backtrack_admitted == sum(taken)
     assert served.backtrack_admitted == model.backtrack_admitted
+    # the other states are counted as the server counts them: probationary ones never as branch states
+    assert served.branch_states_admitted == model.branch_states_admitted
     assert figures["marconi_backtrack_states_admitted"] == served.backtrack_admitted
     # the input-end probationary states are counted apart from them
     assert (served.probationary_admitted - served.backtrack_admitted

@@ -79,7 +79,7 @@ class ServedPools:
     snapshot_step: int = 64  # extra_buffer: mamba_cache_chunk_size, the prefill snapshot grid
     decode_snapshot_step: int = 256  # extra_buffer: mamba_track_grid, decode snapshots
     tracking_slots: int = 2  # extra_buffer: ping-pong track slots per running request (overlap on)
-    backtrack_states: int | None = None  # extra states per request (`rules/backtrack_states.py`; None: its default): extra states per request (`rules/backtrack_states.py`)
+    backtrack_states: int | None = None  # extra states per request (`rules/backtrack_states.py`; None: its default)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -405,11 +405,11 @@ class ServedCache(PoolTree):
             req.offered += 1
             if probationary:
                 c.probationary_admitted += 1  # backtrack states included
+            else:
+                c.branch_states_admitted += 1
             if backtrack:
                 req.backtrack_taken += 1
                 c.backtrack_admitted += 1
-            else:
-                c.branch_states_admitted += 1
         length = min(token_len, cache_len)
         if length <= 0:
             self._release_request_slots(req, finished, inserted=False)

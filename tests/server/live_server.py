@@ -10,6 +10,7 @@ stand-ins for kernels that have no CPU build (`tests/cpu_engine/`) go on the ser
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,10 +36,30 @@ CPU_FLAGS = (
 )
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1 below the kernel's ephemeral range: a port the kernel handed out
+    (bind to 0) can be handed out again to the outgoing connections and gloo / ZMQ sockets a
+    starting server opens before its HTTP server binds, which then fails with EADDRINUSE."""
+    low = _ephemeral_range()[0]
+    start, stop = (20000, low) if low > 21000 else (20000, 65000)  # no room below: any port
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(start, stop)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on 127.0.0.1 in [{start}, {stop})")
 
 
 _PARALLEL_FLAGS = {"--tp-size": "tp", "--tensor-parallel-size": "tp", "--dp-size": "dp",
@@ -146,34 +167,54 @@ def start_server(model_dir: str | Path, *, launcher: str = "marconi", extra_args
     exits or is not ready in time (the process group is killed either way). `device="cpu"`:
     SGLang's CPU engine with `CPU_FLAGS` and the kernel stand-ins; otherwise SGLang's defaults
     for that device (metrics on). `extra_args` come last, so they override."""
-    port = free_port()
     if Path(model_dir).exists():  # a local model: absolute, since the server runs in the log's directory
         model_dir = Path(model_dir).resolve()
     device_args = CPU_FLAGS if device == "cpu" else ("--device", device, "--enable-metrics")
-    argv = [
-        "timeout", "--kill-after=10", str(hard_limit_s), sys.executable, "-m", LAUNCHERS[launcher],
-        "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *device_args, *extra_args,
-    ]
+    run_env = (cpu_engine_env(env, parallel_ranks(extra_args)) if device == "cpu"
+               else {**os.environ, **(env or {})})
     log_path = Path(log_path)
-    log = log_path.open("w")
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                               env=cpu_engine_env(env, parallel_ranks(extra_args)) if device == "cpu"
-                               else {**os.environ, **(env or {})},
-                               start_new_session=True, cwd=str(log_path.parent))
-    log.close()
-    server = LiveServer(f"http://127.0.0.1:{port}", process, log_path, argv)
     deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
+    for attempt in range(PORT_ATTEMPTS):
+        port = free_port()
+        argv = [
+            "timeout", "--kill-after=10", str(hard_limit_s), sys.executable, "-m", LAUNCHERS[launcher],
+            "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *device_args, *extra_args,
+        ]
+        with log_path.open("w") as log:
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=run_env,
+                                       start_new_session=True, cwd=str(log_path.parent))
+        server = LiveServer(f"http://127.0.0.1:{port}", process, log_path, argv)
+        outcome = _wait_until_ready(server, deadline)
+        if outcome == "ready":
+            return server
+        server.stop()
+        if outcome == "port taken" and attempt + 1 < PORT_ATTEMPTS:
+            continue  # another process took the port between our check and the server's bind
+        if outcome == "exited":
             raise ServerFailed(f"server exited with {process.returncode}:\n{server.log_tail()}")
+        raise ServerFailed(f"server not ready after {ready_timeout_s:.0f} s ({outcome}):\n{server.log_tail()}")
+    raise AssertionError("unreachable")
+
+
+PORT_ATTEMPTS = 3
+_PORT_TAKEN = "error while attempting to bind on address"
+
+
+def _wait_until_ready(server: LiveServer, deadline: float) -> str:
+    """"ready" once /health_generate answers 200; "exited"; "port taken" as soon as the log says
+    the HTTP port could not be bound (the server would otherwise sit unreachable until killed);
+    "timed out" at the deadline."""
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            return "port taken" if _PORT_TAKEN in server.log_tail(200) else "exited"
         try:
             if requests.get(server.url + "/health_generate", timeout=30).status_code == 200:
-                return server
+                return "ready"
         except requests.RequestException:
-            pass
+            if _PORT_TAKEN in server.log_tail(200):
+                return "port taken"
         time.sleep(1.0)
-    server.stop()
-    raise ServerFailed(f"server not ready after {ready_timeout_s:.0f} s:\n{server.log_tail()}")
+    return "timed out"
 
 
 def main(argv=None) -> int:

@@ -32,10 +32,10 @@ SERVER_ARGS = ("--dp-size", "2", "--max-total-tokens", "1400", "--max-mamba-cach
 
 def two_free_ports() -> int:
     """A port P with P and P + 1 free on 127.0.0.1 (SGLang offsets rank r's publisher by r)."""
+    from live_server import free_port
+
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         if port < 65535:
             with socket.socket() as s:
                 try:

@@ -1,0 +1,73 @@
+"""`live_server.start_server` without SGLang: a stand-in launcher (a few lines of Python) plays a
+server whose HTTP port was taken between our check and its bind, then one that serves."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import textwrap
+import time
+
+import pytest
+
+import live_server
+from live_server import ServerFailed, free_port, start_server
+
+# Prints uvicorn's bind error and stays up (as SGLang's launcher does) the first time; serves
+# /health_generate on --port after that.
+FAKE_LAUNCHER = textwrap.dedent("""
+    import http.server, pathlib, sys, time
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    marker = pathlib.Path(sys.argv[0]).with_name("started-once")
+    if not marker.exists() or "--always-taken" in sys.argv:
+        marker.touch()
+        print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+              "address already in use", flush=True)
+        time.sleep(120)
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *args):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+""")
+
+
+@pytest.fixture
+def fake_launcher(tmp_path, monkeypatch):
+    (tmp_path / "fake_launcher.py").write_text(FAKE_LAUNCHER)
+    monkeypatch.setitem(live_server.LAUNCHERS, "fake", "fake_launcher")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    return tmp_path
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_free():
+    low = live_server._ephemeral_range()[0]
+    for _ in range(20):
+        port = free_port()
+        if low > 21000:
+            assert 20000 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_taken_port_is_retried_at_once_on_another(fake_launcher):
+    started = time.monotonic()
+    server = start_server("unused-model", launcher="fake", device="fake", log_path=fake_launcher / "server.log",
+                          ready_timeout_s=60, hard_limit_s=120)
+    try:
+        assert (fake_launcher / "started-once").exists()  # the first launch met a taken port
+        assert time.monotonic() - started < 40  # not the whole ready timeout
+    finally:
+        server.stop()
+    assert server.process.poll() is not None
+
+
+def test_a_port_taken_every_time_fails_with_the_servers_log(fake_launcher):
+    with pytest.raises(ServerFailed, match="address already in use"):
+        start_server("unused-model", launcher="fake", device="fake", extra_args=("--always-taken",),
+                     log_path=fake_launcher / "server.log", ready_timeout_s=60, hard_limit_s=120)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

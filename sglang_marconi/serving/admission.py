@@ -42,7 +42,11 @@ Backtrack states (`policy/rules/backtrack_states.py`, with probation): a request
 stretch also keeps, on probation, up to B states at the chunk ends its prefill checkpoints anyway,
 spaced to cut the stretch into near-equal FLOP parts, never more states than upstream keeps for it;
 B from the serving config's `extra["backtrack_states"]` (0: off), by default the rule's default for
-the strategy (off), as the served-pools model's (`ServedPools.backtrack_states`) is.
+the strategy (off), as the served-pools model's (`ServedPools.backtrack_states`) is. In extra_buffer
+a match does not resume at a backtrack state on probation less than a snapshot step before where
+its input leaves the tree (`backtrack_states.bars_resume`: from there the branch state could never
+be snapshotted): the cache calls `marconi_before_match` with the match's key, which finds those
+states on its path, and this component's match validator refuses them for that match.
 
 Faults: admission has no state derived from the tree to rebuild, so an exception in its code is
 unrecoverable (`faults.py`): a rank alone takes upstream's admission from then on, a rank of a group
@@ -54,7 +58,7 @@ The class is built lazily (`admission_mixin()`) so importing this module needs n
 from __future__ import annotations
 
 from sglang_marconi.policy.rules import branch_grid
-from sglang_marconi.policy.rules.backtrack_states import backtrack_rule_of, default_setting
+from sglang_marconi.policy.rules.backtrack_states import BacktrackMarks, backtrack_rule_of, default_setting
 from sglang_marconi.serving.cache_state import EvictionWalk, marconi_evict_params, request_state
 
 
@@ -107,12 +111,14 @@ _PROBATION_ONLY = EvictionWalk(probation_only=True)
 class BacktrackRecord:
     """One request's states offered to the tree, for the backtrack rule (`req.marconi_backtrack`)."""
 
-    __slots__ = ("resumed_at", "taken", "offered")
+    __slots__ = ("resumed_at", "taken", "offered", "inserting", "probation_before")
 
     def __init__(self, resumed_at: int):
         self.resumed_at = resumed_at  # the state its match reused (what the tree owned before any insert)
         self.taken = 0  # backtrack states offered
         self.offered = 0  # states of any kind its checkpoints offered
+        self.inserting = None  # the insert in progress carries a probationary state: a backtrack one?
+        self.probation_before = None  # the request's probationary node before that insert
 
 
 def backtrack_record(req) -> BacktrackRecord:
@@ -146,6 +152,8 @@ def admission_mixin():
 
         def __init__(self, cache, params):
             super().__init__(cache, params)
+            self._marconi_marks = BacktrackMarks()  # which probationary states are backtrack states
+            self._marconi_barred = None  # ids of the states the match in progress may not reuse
             if not params.enable_mamba_extra_buffer:
                 # Two-pass prefill ends a chunk at the branch: the branch state sits exactly there,
                 # on the page grid only. (The runtime's shadow caches read this grid too.)
@@ -155,7 +163,38 @@ def admission_mixin():
         def marconi_admission_counters(self):
             return self.marconi.admission
 
+        def marconi_before_match(self, params) -> None:
+            """The cache is about to match `params.key`: find the backtrack states on its path that
+            the match may not resume at (`BacktrackMarks.bars`), for this component's validator."""
+            self._marconi_barred = None
+            if not self._marconi_marks or not self._marconi_active() or not self.cache.enable_mamba_extra_buffer:
+                return
+            try:
+                self._marconi_barred = self._marconi_barred_states(params.key)
+            except Exception as exc:
+                self._unrecoverable("admission (states a match may reuse)", exc)
+
+        def _marconi_barred_states(self, key) -> set:
+            core, marks, probation = self.tree_core, self._marconi_marks, self.marconi.probation
+            step = self.mamba_cache_chunk_size
+            kv_match, node_id, end = core.match_full_device_prefix(key)  # end: the deepest node's
+            node, barred = core.node_by_id(node_id), set()
+            while node.parent is not None and end > kv_match - step:
+                if marks.bars(node, end, kv_match, step, probation):
+                    barred.add(node.id)
+                end -= len(node.key)
+                node = node.parent
+            return barred
+
+        def create_match_validator(self, match_device_only: bool = False):
+            valid = super().create_match_validator(match_device_only=match_device_only)
+            barred = self._marconi_barred
+            if not barred:
+                return valid
+            return lambda node: node.id not in barred and valid(node)
+
         def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
+            self._marconi_barred = None  # this match's walk is done
             result = super().finalize_match_result_in_tree_core(result, params, value_chunks, best_value_len)
             if not self._marconi_active():
                 return result  # upstream's branch (floored to its checkpoint grid)
@@ -205,6 +244,7 @@ def admission_mixin():
                 cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
                 if cache_len:
                     state.probationary_insert = True
+                    record.inserting, record.probation_before = backtrack, state.probation_node
                     record.offered += 1
                     record.taken += backtrack
                     counters.backtrack_admitted += backtrack
@@ -282,6 +322,13 @@ def admission_mixin():
 
         def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
             state = req.__dict__.get("marconi")
+            record = req.__dict__.get("marconi_backtrack")
+            if record is not None and record.inserting is not None:
+                backtrack, record.inserting = record.inserting, None
+                node = state.probation_node  # set by the insert's commit when its state was new
+                if node is not None and node is not record.probation_before and self._marconi_backtrack_rule():
+                    self._primary("admission (backtrack mark)", self._marconi_marks.mark, node, backtrack,
+                                  self.marconi.probation)
             if state is not None:
                 state.probationary_insert = False
                 if not is_finished and state.declined:

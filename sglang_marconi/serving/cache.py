@@ -36,6 +36,9 @@ def marconi_cache_class():
             return None if self.marconi is None else self.marconi.runtime
 
         def match_prefix(self, params):
+            for component in self.components.values():  # a component may bar states from this match
+                if hasattr(component, "marconi_before_match"):
+                    component.marconi_before_match(params)
             result = super().match_prefix(params)
             req = getattr(params, "req", None)
             runtime = self.marconi_runtime

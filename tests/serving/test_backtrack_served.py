@@ -20,6 +20,7 @@ from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.config import MarconiServingConfig, add_marconi_args, config_from_args  # noqa: E402
 from sglang_marconi.serving.runtime import served_pools  # noqa: E402
 from sglang_marconi.sim.stress import agent_backtrack  # noqa: E402
+from test_backtrack_branch_states import FIRST, question, users_behind_one_prompt  # noqa: E402
 from test_sim_equivalence import _check_script  # noqa: E402
 
 CHUNK = 128
@@ -74,6 +75,39 @@ def test_a_return_to_an_earlier_point_lands_near_it(extra_buffer):
     # with: the chunk-end states cut the 900-token replay in near-equal FLOP parts, B = 3 at most
     assert 1 <= admitted <= 3
     assert 400 <= served_on <= 700, served_on
+
+
+def test_users_behind_one_system_prompt_hit_all_of_it_from_the_third_on():
+    """SGLang's frontend program's shape (five users behind one 182-token system prompt, two forks
+    each), extra_buffer, chunks of 128. The first user's cold prefill leaves a backtrack state at
+    its chunk end 128, 54 tokens before the prompt's end: reused, no extend from it could snapshot
+    the branch (64 tokens in at least), and every user would hit 128. Passed over, the second user
+    writes the branch state and the users after it hit the whole prompt, as without the rule."""
+    rows = {}
+    for backtrack in (0, 3):
+        pair = Pair(True, backtrack)
+        rows[backtrack] = users_behind_one_prompt(pair.serve, 182)
+        admission = pair.cc.cache.marconi.admission
+        counts = (admission.branch_states_admitted, admission.backtrack_admitted)
+        assert counts == (pair.sim.counters.branch_states_admitted, pair.sim.counters.backtrack_admitted)
+        pair.close()
+        assert all(served == sim for row in rows[backtrack] for served, sim in row), rows[backtrack]
+        assert counts[0] >= 1 and (counts[1] >= 1) == (backtrack > 0), counts  # the branch state; the rule ran
+    on, off = ([[served for served, _ in row] for row in rows[b]] for b in (3, 0))
+    assert [row[0] for row in on[2:]] == [182] * 3, on
+    assert all(a >= b for row_on, row_off in zip(on, off) for a, b in zip(row_on, row_off)), (on, off)
+
+
+@pytest.mark.parametrize("shared,hits", [(191, [0, 191, 191]), (192, [128, 192, 192])])
+def test_a_backtrack_state_less_than_a_step_before_the_branch_is_passed_over_in_sglang(shared, hits):
+    """Either side of the window (`tests/test_backtrack_branch_states.py` has the model's table):
+    63 tokens past the backtrack state at 128 the match resumes before it, a whole step past it
+    the match reuses it."""
+    pair = Pair(True, 3)
+    pair.serve(FIRST, OUT)
+    served = [pair.serve(FIRST[:shared] + question(user), OUT) for user in range(3)]
+    pair.close()
+    assert served == [(hit, hit) for hit in hits]
 
 
 def test_never_more_than_b_nor_more_than_upstream_keeps():

@@ -25,6 +25,16 @@ Admitted states are probationary (`rules/probation.py`): kept only in free room 
 other probationary states, evicted first, confirmed into regular states by a return that reuses
 one. Under pressure they are what goes first, so they never displace a state Marconi would keep.
 
+Nor do they displace a branch state (`bars_resume`). In extra_buffer an extend snapshots states
+only a whole snapshot step (64) or more past where it starts, so a request that resumes less than
+a step before its branch can never snapshot the branch. Chunk ends sit wherever a cold prefill
+put them, often inside what later turns out to be a shared prompt: resuming at such a state, every
+later request through the shared prompt would replay its tail again, the branch state never
+written. So a match does not resume at a backtrack state still on probation that lies less than a
+step before where the input leaves the tree; it resumes at the deepest other state, as it would
+without the rule, and the branch state is written where Marconi alone writes it. Which
+probationary states are backtrack states, `BacktrackMarks` records.
+
 Callers: the simulator's model of the served cache (`policy/tree/served_cache.py`) and the served
 admission (`serving/admission.py`), each with its own request's fields.
 """
@@ -89,6 +99,44 @@ class BacktrackStates:
         if admitted + 2 > upstream_states(input_len, resumed_at, chunk):  # this one, and a final state
             return False
         return flops(previous, position) * (self.per_request + 1) >= flops(resumed_at, input_len)
+
+
+def bars_resume(state_end: int, kv_match: int, step: int | None) -> bool:
+    """May a match not resume at a backtrack state still on probation that ends `state_end` tokens
+    in, the input's KV match ending at `kv_match` (on the page grid)? extra_buffer (`step`: the
+    snapshot grid): barred when the match ends less than a step past it, where an extend starting
+    at it could not snapshot the branch. no_buffer (`step` None): never (two-pass prefill ends a
+    chunk at the branch from any state)."""
+    return step is not None and kv_match - step < state_end < kv_match
+
+
+class BacktrackMarks:
+    """Which of one tree's probationary states are backtrack states (the others are input-end
+    states). A mark counts only while its node is on probation (`ProbationRegistry`): confirmed
+    or evicted, the state is a regular one or gone. Every probationary state is marked or unmarked
+    as it is admitted, so a node back on probation carries the right mark. Keyed by node id,
+    holding the node (an id reused by another node is not confused with it)."""
+
+    def __init__(self):
+        self._nodes: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def mark(self, node, backtrack: bool, probation) -> None:
+        """`node`'s new probationary state is a backtrack state (or, not `backtrack`, an input-end one)."""
+        if not backtrack:
+            self._nodes.pop(node.id, None)
+            return
+        self._nodes[node.id] = node
+        if len(self._nodes) > 2 * len(probation) + 64:  # drop marks that no longer count
+            self._nodes = {i: n for i, n in self._nodes.items() if n in probation}
+
+    def bars(self, node, state_end: int, kv_match: int, step: int | None, probation) -> bool:
+        """Is `node`'s state (ending `state_end` in) a backtrack state on probation that a match
+        ending at `kv_match` may not resume at (`bars_resume`)?"""
+        return (bars_resume(state_end, kv_match, step) and self._nodes.get(node.id) is node
+                and node in probation)
 
 
 def backtrack_rule_of(setting) -> BacktrackStates | None:

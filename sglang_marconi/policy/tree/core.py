@@ -792,17 +792,19 @@ class PoolTree(TreeCore):
         self.unlock(node)
 
     # -- match and insert ------------------------------------------------------------------------
-    def _match_reused(self, key):
+    def _match_reused(self, key, barred=None):
         """SGLang's match of `key`: the edge it leaves midway is split there, the deepest node on
         its path holding a state is reused (its state refreshed and confirmed), and that node and
-        its ancestors are stamped. Returns (node reused, or the root; tokens of KV matched)."""
+        its ancestors are stamped. `barred(walk)`: nodes on the walk whose states may not be
+        reused. Returns (node reused, or the root; tokens of KV matched)."""
         root = self.tree.root
         if not len(key):
             return root, 0  # SGLang's empty match: nothing walked, nothing stamped
         walk = self.tree.walk(key)
         best = root
+        skip = barred(walk) if barred is not None else ()
         for node in walk.path:
-            if node.has_state:
+            if node.has_state and node not in skip:
                 best = node
         if walk.partial is not None:
             self._split(walk.partial, walk.partial_len)

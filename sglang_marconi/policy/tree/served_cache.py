@@ -36,7 +36,8 @@ two Mamba strategies' tracking and admission, probation) and the value candidate
   (extra_buffer: the last tracked one, the insert truncated there), and with probation the state at
   the end of the input, kept only in free room or room freed from other probationary states; and
   backtrack states (`policy/rules/backtrack_states.py`, `ServedPools.backtrack_states`): up to B
-  more at chunk ends of a long replay, on probation too.
+  more at chunk ends of a long replay, on probation too; in extra_buffer a match does not resume at
+  one of them less than a snapshot step before where its input leaves the tree (`bars_resume`).
 
 `serve` returns the hit SGLang reports (`req.prefix_len` after the match). `ServedPools.scaled`
 shrinks the pools for a tuner's sampled shadows. `check_invariants` asserts the two ledgers and the
@@ -55,7 +56,7 @@ import numpy as np
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules import branch_grid
 from sglang_marconi.policy.rules import value as value_rule
-from sglang_marconi.policy.rules.backtrack_states import backtrack_rule_of, default_setting
+from sglang_marconi.policy.rules.backtrack_states import BacktrackMarks, backtrack_rule_of, default_setting
 from sglang_marconi.policy.rules.continuation import ContinuationRecord
 from sglang_marconi.policy.rules.eviction.depth import depth_rule_of
 from sglang_marconi.policy.tree.core import PoolTree
@@ -183,6 +184,7 @@ class ServedCache(PoolTree):
         # extra states at chunk ends, on probation (needs probation: they live in its registry)
         rule = backtrack_rule_of(pools.backtrack_setting) if probation else None
         self.backtrack = rule if rule is not None and rule.applies(pools.mamba_slots, pools.request_slots) else None
+        self.backtrack_marks = BacktrackMarks()  # which probationary states are backtrack states
         self.events: list[ServedEvent] | None = [] if record else None
         # Finished sequences, as far as each request's last insert kept it (`rules/continuation.py`):
         # kept from the first depth choice on, fed once per request at its release.
@@ -268,7 +270,7 @@ class ServedCache(PoolTree):
         extra = self._extra_buffer
         step = pools.snapshot_step if extra else None
         # Req.init_next_round_input: match input[:n_in - 1], copy-on-write the state hit
-        best, full_hit = self._match_reused(seq[: n_in - 1])
+        best, full_hit = self._match_reused(seq[: n_in - 1], self._barred if self.backtrack_marks else None)
         hit = best.end
         req = _Request(n_in, hit, hit, hit, branch_grid.branch_position(full_hit, hit))
         if best.has_state:
@@ -309,6 +311,13 @@ class ServedCache(PoolTree):
             req.lock = None
         self.served += 1
         return ServedOutcome(hit, full_hit, req.admitted)
+
+    def _barred(self, walk) -> set:
+        """The backtrack states on `walk`'s path a match may not resume at (`BacktrackMarks.bars`)."""
+        step = self.pools.snapshot_step if self._extra_buffer else None
+        kv_match = self.tree.page_aligned(walk.overlap)
+        return {node for node in walk.path
+                if self.backtrack_marks.bars(node, node.end, kv_match, step, self._probation)}
 
     def _extend(self, req: _Request, end: int, lock: PoolNode | None) -> None:
         if lock is not None:  # the first extend locks the prefix the match reused
@@ -427,6 +436,8 @@ class ServedCache(PoolTree):
         req.protected = length
         if probationary and not exists:
             req.probation_node = target
+            if self.backtrack is not None:
+                self.backtrack_marks.mark(target, backtrack, self._probation)
         if not exists:
             req.admitted += 1
         if finished:
@@ -456,9 +467,14 @@ class ServedCache(PoolTree):
 
     def peek_hit(self, input_tokens) -> int:
         """The hit `serve` would report for this input, changing nothing."""
+        key = as_token_array(input_tokens)[: len(input_tokens) - 1]
+        if not len(key):
+            return 0
+        walk = self.tree.walk(key)
+        barred = self._barred(walk) if self.backtrack_marks else ()
         hit = 0
-        for node in self._whole_edges(input_tokens[: len(input_tokens) - 1]):
-            if node.has_state:
+        for node in walk.path:
+            if node.has_state and node not in barred:
                 hit = node.end
         return hit
 

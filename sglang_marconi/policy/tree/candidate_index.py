@@ -26,6 +26,9 @@ import numpy as np
 from sglang_marconi.policy.rules import score
 
 TieKey = Union[int, tuple]
+# Up to this many candidates a weighted choice scores plain Python floats (`score.score_each`)
+# rather than numpy arrays: a handful of list operations cost less than numpy's calls.
+LIST_SCORED = 32
 
 
 class CandidateIndex:
@@ -47,6 +50,7 @@ class CandidateIndex:
         self._tie_key = tie_key
         self._adds = 0  # the fallback key of an item without an `id`
         self.items: list[Any] = []
+        self._lists: Optional[tuple] = None  # a subclass keeping its columns as lists: (recency, value)
 
     @property
     def last_access(self) -> np.ndarray:
@@ -157,8 +161,18 @@ class CandidateIndex:
 
     def lowest(self, alpha: float) -> Any:
         """The candidate with the lowest score (alpha = 0 is LRU), exact ties to the smallest tie
-        key (`score.lowest_slot`). (This runs once per evicted node: a few numpy calls.)"""
-        return self.items[score.lowest_slot(self.scores(alpha), self.least_key)]
+        key (`score.lowest_slot`). (This runs once per evicted node: at alpha = 0 a few numpy
+        calls; weighted, a small index is scored as lists, cheaper than the numpy calls.)"""
+        n = len(self.items)
+        lists = self._lists
+        if n <= LIST_SCORED and (lists is not None or alpha):
+            # as lists (`score.score_each`: each score the numpy scorer's, bit for bit)
+            recency, value = lists if lists is not None else self._columns[:, :n].tolist()
+            scores = score.score_each(score.scale(min(recency), max(recency), min(value), max(value), alpha),
+                                      recency, value) if alpha else recency
+        else:
+            scores = self.scores(alpha)
+        return self.items[score.lowest_slot(scores, self.least_key)]
 
 
 def keep(index: CandidateIndex, slots: dict, item: Any, row: Optional[tuple]) -> None:

@@ -100,6 +100,14 @@ class FlopsTable:
             flops = self._flops[(start, end)] = self.profile.prefill_flops(start, end)
         return flops
 
+    def of_prefixes(self, ends) -> list[float]:
+        """[self(0, end) for end in ends], in one call (the tuner's gains: one per cache per request)."""
+        table, out = self._flops, []
+        for end in ends:
+            flops = table.get((0, end))
+            out.append(self(0, end) if flops is None else flops)
+        return out
+
 
 def _stamp_recency(index, slot: int, clock: float) -> None:
     index.last_access[slot] = clock
@@ -135,6 +143,10 @@ class TreeCore:
         cls._core_touch = cls._touch is TreeCore._touch and cls._touch_hit is TreeCore._touch_hit
         cls._core_removal = (cls._forget_state is TreeCore._forget_state and cls._remove_leaf is TreeCore._remove_leaf
                              and cls._compress is TreeCore._compress)
+        # Where it keeps the core's leaf, touch and candidate upkeep too, an admission's new leaf is
+        # listed once, with its state (`_admit`), rather than listed stateless and then re-scored.
+        cls._core_leaf = (cls._core_touch and cls._add_leaf is TreeCore._add_leaf and cls._refresh is TreeCore._refresh
+                          and cls._is_candidate is TreeCore._is_candidate)
 
     def _configure(self, profile, capacity_bytes: int, eviction: EvictionPolicy | None, tree, index, *,
                    checkpoint_grid: int = 1, state_slots: int | None = None, probation: bool = False,
@@ -501,16 +513,32 @@ class TreeCore:
                     break
             # The nodes along the request's path from here on: locked, so evictions left them whole.
             spine = list(path)
+            admitted = 0
+            states_at = positions
             if n > overlap:
                 attach = self._split(partial, partial_len) if partial else (path[-1] if path else self.tree.root)
                 if partial:
                     spine.append(attach)
-                spine.append(self._add_leaf(attach, *self._request_edge(request, overlap, n)))
+                if len(positions) == 1 and self._core_leaf and not self._value_reaches_up:
+                    # The one state goes on the new leaf: `_add_leaf`, then the loop's state, touch and
+                    # refresh below, with the leaf listed once (the same slot, before its parent's refresh).
+                    leaf = self.tree.add_leaf(attach, *self._request_edge(request, overlap, n))
+                    self.kv_tokens += leaf.end - attach.end
+                    leaf.has_state = True
+                    self.ssm_states += 1
+                    self.clock = leaf.last_access = self.clock + 1.0
+                    self._refresh(leaf)
+                    if attach is not self.tree.root:
+                        self._refresh(attach)
+                    spine.append(leaf)
+                    states_at = ()
+                    admitted = 1
+                else:
+                    spine.append(self._add_leaf(attach, *self._request_edge(request, overlap, n)))
             elif partial:
                 spine.append(partial)
-            admitted = 0
             core_touch = self._core_touch
-            for pos in positions:
+            for pos in states_at:
                 node = spine[-1]  # the request's end is the deepest node's (`_node_on`'s first look)
                 if node.end != pos:
                     node = self._node_on(spine, pos)

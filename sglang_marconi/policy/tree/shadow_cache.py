@@ -217,8 +217,10 @@ class ShadowCache(TreeCore):
         seq, input_len = match.seq, match.input_len
         walk = self._walk(match, len(seq) - len(seq) % page)
         self._walked = (match, walk)
-        n_in = input_len - input_len % page
         path, partial, _, overlap = walk
+        if not path and partial is None:
+            return 0, None  # nothing matched: `_hit` finds no hit and no branch, and touches nothing
+        n_in = input_len - input_len % page
         if partial is not None or (path and path[-1].end > n_in):  # else the walk stops within the input
             path, partial, _, overlap = self._input_part(walk, n_in)
         hit, checkpoint_at, _ = self._hit(path, partial, overlap, input_len)

@@ -6,20 +6,19 @@ victim is the one `CandidateIndex.lowest` picks, for less per operation.
   large (from SMALL entries up, down to half that), and built from the lists when a small index
   needs them (a subnormal span, below): same values, same slots.
 - `lowest` on a few candidates (a contended cache holds a handful: the shadows of a 1 GB cache
-  hold about six) scores them in plain Python floats instead of several numpy calls, with the
-  same rule (`policy/rules/score.py`: `score.score_each`, `scorer` over lists, `score.lowest_slot` over
-  the list): each score is the reference's bit for bit (the rule rounds each operation on its
-  own, in Python as in numpy), exact ties to the smallest tie key.
+  hold about six) scores the lists themselves, as `CandidateIndex.lowest` scores a small index
+  (`score.score_each`, `scorer` over lists, `score.lowest_slot` over the list): each score is
+  the numpy scorer's bit for bit (the rule rounds each operation on its own, in Python as in
+  numpy), exact ties to the smallest tie key.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from sglang_marconi.policy.rules import score
-from sglang_marconi.policy.tree.candidate_index import CandidateIndex
+from sglang_marconi.policy.tree.candidate_index import LIST_SCORED, CandidateIndex
 
-SMALL = 32  # up to this many candidates the Python scores are cheaper than numpy's calls
+SMALL = LIST_SCORED  # up to this many candidates the Python scores are cheaper than numpy's calls
 
 
 class SmallCandidateIndex(CandidateIndex):
@@ -28,6 +27,7 @@ class SmallCandidateIndex(CandidateIndex):
         self.recency: list[float] = []  # the two columns and the tie keys, slot by slot
         self.value: list[float] = []
         self.keys: list = []  # ints, or tuples of ints
+        self._lists = (self.recency, self.value)  # scored as they are while small (`CandidateIndex.lowest`)
         self._mirrored = False  # whether the numpy arrays (`_t`, `_e`, `_keys`) are kept in step
 
     @property
@@ -121,15 +121,3 @@ class SmallCandidateIndex(CandidateIndex):
             self._mirrored = False  # a snapshot for this call only
         return super().scores(alpha)
 
-    def lowest(self, alpha: float):
-        n = len(self.items)
-        if n > SMALL:
-            return super().lowest(alpha)
-        recency = self.recency
-        if not alpha:
-            scores = recency
-        else:
-            value = self.value
-            scores = score.score_each(score.scale(min(recency), max(recency), min(value), max(value), alpha),
-                                      recency, value)
-        return self.items[score.lowest_slot(scores, self.least_key)]

@@ -40,22 +40,32 @@ class Evidence:
     def _setup(self, k: int, decay: np.ndarray, block: int) -> None:
         self.k, self.block, self.decay = k, block, decay
         w = len(decay)
-        # scores, potential, halves and moments are views into one buffer, so that one multiply
-        # decays them all (the same product per value as decaying each: moments by d x d)
-        sizes = (w * k, w, w * 2 * k, w * k * k)
+        # potential, the halves' sums, scores and moments are views into one buffer, so that one
+        # multiply decays them all (the same product per value as decaying each: moments by d x d)
+        # and one add adds a request's terms to them all (`_addends`). Laid out as potential,
+        # half 0, scores, half 1, moments: the scores and the half a request adds to are then one
+        # block either way.
+        wk = w * k
+        sizes = (w, wk, wk, wk, w * k * k)
         self._buf = np.zeros(sum(sizes))
-        cuts = np.cumsum(sizes)
-        self.scores = self._buf[: cuts[0]].reshape(w, k)
-        self.potential = self._buf[cuts[0] : cuts[1]]
-        # halves[window, half, arm], stored half first: each half's sums (`add` adds to one) are
-        # then contiguous, which numpy adds to faster
-        stored_halves = self._buf[cuts[1] : cuts[2]].reshape(2, w, k)
-        self.halves = stored_halves.transpose(1, 0, 2)
-        self._half_sums = (stored_halves[0], stored_halves[1])
-        self.moments = self._buf[cuts[2] :].reshape(w, k, k)
-        self._buf_decay = np.concatenate((np.repeat(decay, k), decay, np.tile(np.repeat(decay, k), 2),
-                                          np.repeat(decay * decay, k * k)))
-        self._rows = (w, k)
+        self.potential = self._buf[:w]
+        self.scores = self._buf[w + wk : w + 2 * wk].reshape(w, k)
+        # halves[window, half, arm]: the two half blocks on either side of the scores
+        self.halves = self._buf[w : w + 3 * wk].reshape(3, w, k)[::2].transpose(1, 0, 2)
+        self.moments = self._buf[w + 3 * wk :].reshape(w, k, k)
+        self._buf_decay = np.concatenate((decay, np.tile(np.repeat(decay, k), 3), np.repeat(decay * decay, k * k)))
+        # One request's terms, laid out as the buffer, for a request in either half: its potential,
+        # its gains on the scores and on its half (the other half's block stays zero: adding 0.0
+        # to a sum of gains changes no value), and gains x gains on the moments.
+        self._addends = []
+        for half in (0, 1):
+            terms = np.zeros_like(self._buf)
+            rows = terms[w + wk : w + 2 * wk].reshape(w, k)  # the gains once per window
+            self._addends.append((terms, terms[:w], terms[w + half * wk : w + (half + 2) * wk].reshape(2, w, k),
+                                  rows, rows[:, :, None], terms[w + 3 * wk :].reshape(w, k, k)))
+        self._cross = np.empty((w, k, k))  # a cluster's decayed sums x gains, and it plus its transpose
+        self._cross_sum = np.empty((w, k, k))
+        self._cross_t = self._cross.transpose(0, 2, 1)
         self.sessions: dict[str, tuple[np.ndarray, int, int, int]] = {}  # key -> (D (2, k), t, half, requests)
         self.t = 0
         self._decays: dict[int, np.ndarray] = {}
@@ -63,29 +73,32 @@ class Evidence:
     def add(self, session_key: str, gains: np.ndarray, whole: float) -> None:
         """One request's gains per arm (and what it could have saved at most). Each value gets the
         same floating-point operations in the same order as a plain per-array update would apply
-        (decay, then this request's terms), so the sums do not depend on how they are batched."""
+        (decay, then this request's terms: its gains, gains x gains, then its cluster's cross
+        terms), so the sums do not depend on how they are batched."""
         self.t += 1
-        # the gains once per window (row): every sum below then adds arrays of its own shape,
-        # the same values as adding `gains` to each row (numpy's broadcasting costs more)
-        rows = np.empty(self._rows)
-        rows[:] = gains
-        self._buf *= self._buf_decay
-        self.scores += rows
-        self.potential += whole
         entry = self.sessions.get(session_key)
         n = 0 if entry is None else entry[3]
-        self.moments += np.multiply.outer(rows, gains)  # gains x gains, per window
         if n % self.block == 0:  # a new cluster: the session's next block of requests
             half = int(session_in_sample(f"{session_key}\0{n // self.block}", 0.5, salt=1))
-            total = rows
         else:
             stored, t_s, half, _ = entry
-            prior = stored * self._decay_over(self.t - t_s)  # the cluster's sums, decayed to now
-            cross = np.multiply.outer(prior, gains)
-            self.moments += cross + cross.transpose(0, 2, 1)
-            total = prior + rows
-        half_sums = self._half_sums[half]  # halves[:, half]
-        half_sums += rows
+        terms, potential, gained, rows, rows_column, products = self._addends[half]
+        gained[:] = gains  # the scores and this half, once per window
+        potential.fill(whole)
+        np.multiply(rows_column, gains, products)  # gains x gains, per window
+        buf = self._buf
+        buf *= self._buf_decay
+        buf += terms
+        if n % self.block == 0:
+            total = rows.copy()
+        else:
+            total = stored  # the session's own array: decayed to now, then this request added
+            total *= self._decay_over(self.t - t_s)
+            cross = self._cross
+            np.multiply(total[:, :, None], gains, cross)
+            np.add(cross, self._cross_t, self._cross_sum)
+            self.moments += self._cross_sum
+            total += rows
         self.sessions[session_key] = (total, self.t, half, n + 1)
         if self.t % self._PRUNE_EVERY == 0:
             self._prune()
@@ -146,15 +159,19 @@ class Evidence:
 
     def lead(self, a: int, b: int, window: int, margin: float, z: float, halves: bool = True) -> bool:
         """Whether arm `a` leads arm `b` in `window` by more than `margin` x potential, by more than
-        `z` clustered standard errors, and (`halves`) in both halves of the clusters."""
-        gap = self.scores[window, a] - self.scores[window, b]
-        if gap <= margin * self.potential[window]:
+        `z` clustered standard errors, and (`halves`) in both halves of the clusters. (Values read
+        as Python floats: the same double arithmetic as on numpy's scalars, for less per read.)"""
+        score = self.scores.item
+        gap = score(window, a) - score(window, b)
+        if gap <= margin * self.potential.item(window):
             return False
-        m = self.moments[window]
-        if gap <= z * math.sqrt(max(m[a, a] + m[b, b] - 2 * m[a, b], 0.0)):
+        m = self.moments.item
+        if gap <= z * math.sqrt(max(m(window, a, a) + m(window, b, b) - 2 * m(window, a, b), 0.0)):
             return False
-        h = self.halves[window]
-        return not halves or bool(h[0, a] > h[0, b] and h[1, a] > h[1, b])
+        if not halves:
+            return True
+        h = self.halves.item
+        return h(window, 0, a) > h(window, 0, b) and h(window, 1, a) > h(window, 1, b)
 
 
 class GuardSums:

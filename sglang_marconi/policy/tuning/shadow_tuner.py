@@ -91,6 +91,7 @@ SEGLEN = "seglen"  # "seglen:W": SegLen-style eviction with weight W (`eviction/
 DEPTH = "depth"  # "depth:B": evict by age / (1 + depth)^B; "depth:auto": B learned (`eviction/depth.py`)
 DEPTH_AUTO = f"{DEPTH}:auto"
 OBJECTIVES = ("flops", "token_hit_rate")
+_INT64 = np.dtype(np.int64)
 Choice = float | str  # an alpha of FLOP-aware eviction, LRU, "seglen:W", "depth:B", DEPTH_AUTO or COVERAGE
 # Large alphas matter: with both terms min-max normalized, alpha >> 1 ranks by FLOP efficiency
 # first (recency breaks near-ties), which wins by 10-20 points on contended chat traces.
@@ -391,7 +392,10 @@ class ShadowTuner:
                 inp, out = as_token_array(input_tokens), np.asarray(output_tokens, dtype=np.int64)
                 seq, input_len = (np.concatenate((inp, out)) if len(out) else inp), len(inp)
             else:
-                seq, input_len = as_token_array(sequence), len(input_tokens)
+                # already the array `as_token_array` returns (the simulator's joined sequence): taken as is
+                seq = sequence if (type(sequence) is np.ndarray and sequence.dtype is _INT64 and sequence.ndim == 1
+                                   and len(sequence)) else as_token_array(sequence)
+                input_len = len(input_tokens)
                 if not 0 < input_len <= len(seq):
                     raise MarconiError(f"input of {input_len} tokens in a sequence of {len(seq)}")
             switched = None
@@ -458,7 +462,7 @@ class ShadowTuner:
         at most, in the objective's units."""
         if self.config.objective == "flops":
             flops = self.flops
-            return np.array([flops(0, h) for h in hits]), flops(0, input_len)
+            return np.array(flops.of_prefixes(hits)), flops(0, input_len)
         return np.asarray(hits, dtype=float), float(input_len)
 
     def _score(self, key: str, hits: Sequence[int], input_len: int) -> None:
@@ -486,7 +490,7 @@ class ShadowTuner:
         sampled requests of the last one."""
         c, ev = self.config, self.evidence
         cur, safe = self.choices.index(self.current), 0
-        self._prune_or_revive(cur)
+        best = self._prune_or_revive(cur)
         if cur != safe and self.verifier is None and any(
                 e.lead(safe, cur, w, c.guard_margin, z)
                 for e, w, z in ((self.since, LONG, c.z), (ev, SHORT, c.guard_z), (ev, LONG, c.guard_z))):
@@ -496,7 +500,8 @@ class ShadowTuner:
         bars = c.margin * (1.0 + self.strikes)
         pts = 100 * (ev.scores[SHORT] - ev.scores[SHORT, cur]) / ev.potential[SHORT]
         self._held = np.where(pts > 100 * bars, self._held + c.epoch * pts, 0.0)
-        best = self.leader()
+        if best is None:
+            best = self.leader()
         if self.verifier is not None:  # the best of those the verifier has not just turned down
             allowed = self.verifier.allowed()
             if not allowed[best]:
@@ -516,17 +521,18 @@ class ShadowTuner:
             return None
         return self._switch(best)
 
-    def _prune_or_revive(self, cur: int) -> None:
+    def _prune_or_revive(self, cur: int) -> int | None:
         """Racing: a shadow that trails the leader by `prune_margin` over both windows, by `z`
         clustered standard errors over the long one, `prune_after` sampled requests after the fork
         or later, is dropped (never LRU's, the current choice's or the leader's): the shadows' cost
         goes to the choices still in the race. Every `revive_every` sampled requests the dropped
         ones come back, forked from the current choice's shadow with its evidence so far (as if
-        they had behaved like it until now), so that a shift in the workload can bring them back."""
+        they had behaved like it until now), so that a shift in the workload can bring them back.
+        Returns the leader (`leader()`) where it ranked them, else None."""
         c, ev = self.config, self.evidence
         since_fork = self.log.sampled - self._sampled_at_fork
         if not c.prune_after or since_fork < c.prune_after:
-            return
+            return None
         dropped = [v for v, shadow in enumerate(self.shadows) if shadow is None]
         if dropped and self.log.sampled - self._revived_at >= c.revive_every:
             self._revived_at = self.log.sampled
@@ -539,7 +545,7 @@ class ShadowTuner:
                 ev.copy_arm(donor_index, v)
                 self.since.copy_arm(donor_index, v)
             self.log.revived += len(dropped)
-            return
+            return None
         lead = self.leader()
         trial = self.verifier.trial_choice() if self.verifier is not None else None
         for v, shadow in enumerate(self.shadows):
@@ -548,6 +554,7 @@ class ShadowTuner:
             if ev.lead(lead, v, LONG, c.prune_margin, c.z, False) and ev.lead(lead, v, SHORT, c.prune_margin, 0.0, False):
                 self.shadows[v] = None
                 self.log.pruned += 1
+        return lead
 
     def _safe_record(self) -> ContinuationRecord | None:
         """The safe choice's shadow's own record of finished sequences (served models only)."""

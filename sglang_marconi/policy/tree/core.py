@@ -135,6 +135,9 @@ class TreeCore:
     _lock_refreshes_unlisted = False
     # Whether stateless single-child nodes fold away (the paper's compressed tree; SGLang's keeps them).
     _compressed = True
+    # Whether `_request_edge(request, start, end)` is (request, start, end) itself (an admission's
+    # new leaf then passes them to the tree without asking).
+    _request_edge_is_span = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -522,7 +525,8 @@ class TreeCore:
                 if len(positions) == 1 and self._core_leaf and not self._value_reaches_up:
                     # The one state goes on the new leaf: `_add_leaf`, then the loop's state, touch and
                     # refresh below, with the leaf listed once (the same slot, before its parent's refresh).
-                    leaf = self.tree.add_leaf(attach, *self._request_edge(request, overlap, n))
+                    leaf = (self.tree.add_leaf(attach, request, overlap, n) if self._request_edge_is_span
+                            else self.tree.add_leaf(attach, *self._request_edge(request, overlap, n)))
                     self.kv_tokens += leaf.end - attach.end
                     leaf.has_state = True
                     self.ssm_states += 1

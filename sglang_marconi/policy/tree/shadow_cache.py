@@ -187,6 +187,8 @@ class ShadowCache(TreeCore):
         """Every node except the root, parents first (`RadixTree.nodes`' order)."""
         return self.tree.nodes()
 
+    _request_edge_is_span = True
+
     @staticmethod
     def _request_edge(match: SharedMatch, start: int, end: int) -> tuple:
         return match, start, end

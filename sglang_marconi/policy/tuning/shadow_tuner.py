@@ -355,7 +355,7 @@ class ShadowTuner:
         self.strikes = np.zeros(len(self.choices))  # reverts away from each choice: each raises its bar
         self._since_decision = 0
         self._since_switch = config.dwell  # sampled requests since the last switch
-        self._held = np.zeros(len(self.choices))  # each one's lead over the current one, points x sampled requests
+        self._held = [0.0] * len(self.choices)  # each one's lead over the current one, points x sampled requests
         self.log = TunerLog(decisions=[(0, self.current)])
         self._fed = 0  # observe() calls: equal to log.requests while the caller feeds every request
         self.last_hits: list[int] | None = None  # each choice's shadow's hit on the last sampled request (0: dropped)
@@ -497,9 +497,13 @@ class ShadowTuner:
             self.strikes[cur] += 1
             self.log.reverts += 1
             return self._switch(safe)
-        bars = c.margin * (1.0 + self.strikes)
-        pts = 100 * (ev.scores[SHORT] - ev.scores[SHORT, cur]) / ev.potential[SHORT]
-        self._held = np.where(pts > 100 * bars, self._held + c.epoch * pts, 0.0)
+        # each choice's short-window lead in points, held while it beats its bar (per choice, in
+        # Python floats: numpy's arithmetic on seven values costs more in calls than it saves)
+        bars = [c.margin * (1.0 + strikes) for strikes in self.strikes.tolist()]
+        short, potential = ev.scores[SHORT].tolist(), ev.potential.item(SHORT)
+        current = short[cur]
+        pts = [100 * (score - current) / potential if potential else math.nan for score in short]
+        self._held = [held + c.epoch * p if p > 100 * bar else 0.0 for held, p, bar in zip(self._held, pts, bars)]
         if best is None:
             best = self.leader()
         if self.verifier is not None:  # the best of those the verifier has not just turned down
@@ -565,13 +569,11 @@ class ShadowTuner:
         of the best score, the last listed (SegLen, then the largest alpha). Right after the fork
         the choices still behave alike, and the value-first ones are those whose gains show only
         later; the guard sends the live cache back to LRU if that bet turns out wrong."""
-        scores = self.evidence.scores[LONG]
-        top = scores.max()
-        return int(np.flatnonzero(scores >= top - self.config.tie * self.evidence.potential[LONG])[-1])
+        return leading_arm(self.evidence, self.config.tie)
 
     def _switch(self, index: int) -> Choice:
         self._since_switch = 0
-        self._held[:] = 0
+        self._held = [0.0] * len(self.choices)
         self.since = GuardSums(index)
         self.current = self.choices[index]
         self.log.decisions.append((self.log.requests, self.current))
@@ -717,6 +719,14 @@ class _Verifier:
         self.evidence = self.evidence.select(arms) if len(arms) > 1 else None
         self.trial = None
         self.mirror = 1 if len(arms) > 1 and self.mirror is not None and arms[1] == self.mirror else None
+
+
+def leading_arm(evidence: Evidence, tie: float) -> int:
+    """The arm leading `evidence`'s long window: the last of those within `tie` x potential of the
+    best score (`ShadowTuner.leader`; read as Python floats, the same arithmetic as numpy's)."""
+    scores = evidence.scores[LONG].tolist()
+    floor = max(scores) - tie * evidence.potential.item(LONG)
+    return max(arm for arm, score in enumerate(scores) if score >= floor)
 
 
 def fork_shadows(profile, shared: _SharedShadow, choices, match: SharedMatch, checkpoint_at: int | None,
@@ -948,8 +958,7 @@ class _Miniatures:
         ev, c = self.evidence, self.tuner.config
         if not self.shadows or not ev.potential[LONG]:
             return None
-        scores = ev.scores[LONG]
-        best = int(np.flatnonzero(scores >= scores.max() - c.tie * ev.potential[LONG])[-1])
+        best = leading_arm(ev, c.tie)
         return best if best != 0 and ev.lead(best, 0, LONG, c.margin, 0.0, False) else None
 
 

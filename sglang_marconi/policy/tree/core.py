@@ -82,31 +82,29 @@ class CacheCounters:
     admissions_skipped: int = 0
 
 
-class FlopsTable:
-    """profile.prefill_flops(start, end), remembered: a cache refreshes the same spans over and over."""
+class FlopsTable(dict):
+    """profile.prefill_flops(start, end), remembered: a cache refreshes the same spans over and over.
+    `table(start, end)`, or `table[start, end]` (a remembered span then costs no Python call)."""
 
-    __slots__ = ("profile", "_flops")
+    __slots__ = ("profile",)
     LIMIT = 1 << 18
 
     def __init__(self, profile):
+        super().__init__()
         self.profile = profile
-        self._flops: dict[tuple[int, int], float] = {}
 
-    def __call__(self, start: int, end: int) -> float:
-        flops = self._flops.get((start, end))
-        if flops is None:
-            if len(self._flops) >= self.LIMIT:
-                self._flops.clear()
-            flops = self._flops[(start, end)] = self.profile.prefill_flops(start, end)
+    def __missing__(self, span: tuple[int, int]) -> float:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        flops = self[span] = self.profile.prefill_flops(*span)
         return flops
 
+    def __call__(self, start: int, end: int) -> float:
+        return self[start, end]
+
     def of_prefixes(self, ends) -> list[float]:
-        """[self(0, end) for end in ends], in one call (the tuner's gains: one per cache per request)."""
-        table, out = self._flops, []
-        for end in ends:
-            flops = table.get((0, end))
-            out.append(self(0, end) if flops is None else flops)
-        return out
+        """[self(0, end) for end in ends] (the tuner's gains: one per cache per request)."""
+        return [self[0, end] for end in ends]
 
 
 def _stamp_recency(index, slot: int, clock: float) -> None:
@@ -233,7 +231,7 @@ class TreeCore:
         without a state saves nothing on its own, unless the model has no SSM layers."""
         if not (node.has_state or self.attention_only):
             return 0.0
-        return value_rule.flops_saved_per_byte(self.flops(node.parent.end, node.end),
+        return value_rule.flops_saved_per_byte(self.flops[node.parent.end, node.end],
                                     self.ssm_state_bytes if node.has_state else 0,
                                     0 if node.children else (node.end - node.parent.end) * self.kv_bytes_per_token)
 

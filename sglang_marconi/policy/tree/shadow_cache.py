@@ -78,9 +78,9 @@ class ReferencedTree:
         """`RadixTree.walk` of match.seq[:n]: (path, partial, partial_len, overlap)."""
         node, pos, path = self.root, 0, []
         page = self.page_size
-        key, agreed_end, seq = match.key, match.agreed_end, match.seq
+        keys, agreed_end, seq = match.keys, match.agreed_end, match.seq
         while pos < n:
-            child = node.children.get(key(pos))
+            child = node.children.get(keys[pos])
             if child is None:
                 break
             end = child.end if child.end < n else n
@@ -121,7 +121,7 @@ class ReferencedTree:
 
     def add_leaf(self, parent: ShadowNode, match: SharedMatch, start: int, end: int) -> ShadowNode:
         """A leaf holding match.seq[start:end] (its key is the request's, shared by every shadow)."""
-        key = match.key(start)
+        key = match.keys[start]
         leaf = ShadowNode(parent, key, match.seq, start, end, self._next_id)  # `_new_node`, inline: once per request
         self._next_id += 1
         parent.children[key] = leaf

@@ -15,26 +15,34 @@ from __future__ import annotations
 import numpy as np
 
 
+class _PageKeys(dict):
+    """pos -> the child key of the page starting at `pos` (as `RadixTree._key` computes it), each
+    computed once: a remembered key is read without a Python call."""
+
+    __slots__ = ("seq", "page_size")
+
+    def __missing__(self, pos: int):
+        seq = self.seq
+        key = self[pos] = int(seq[pos]) if self.page_size == 1 else seq[pos : pos + self.page_size].tobytes()
+        return key
+
+
 class SharedMatch:
-    __slots__ = ("seq", "input_len", "page_size", "_keys", "_agreed")
+    __slots__ = ("seq", "input_len", "page_size", "keys", "_agreed")
 
     def __init__(self, seq: np.ndarray, input_len: int, page_size: int):
         self.seq = seq  # input + output (int64)
         self.input_len = input_len
         self.page_size = page_size
-        self._keys: dict[int, object] = {}
+        self.keys = _PageKeys()  # `keys[pos]`: `key(pos)`
+        self.keys.seq, self.keys.page_size = seq, page_size
         # id(src) -> [src, positions known to agree (from 0), first disagreeing position or -1]; the
         # entry holds src so that no id is reused while this request is matched
         self._agreed: dict[int, list] = {}
 
     def key(self, pos: int):
         """The child key of the page starting at `pos` (as `RadixTree._key` computes it)."""
-        key = self._keys.get(pos)
-        if key is None:
-            seq = self.seq
-            key = int(seq[pos]) if self.page_size == 1 else seq[pos : pos + self.page_size].tobytes()
-            self._keys[pos] = key
-        return key
+        return self.keys[pos]
 
     def agreed_end(self, src: np.ndarray, pos: int, limit: int) -> int:
         """The first position in [pos, limit) where this request and `src` differ, or `limit` if

@@ -196,7 +196,8 @@ class GuardSums:
 
     def add(self, session_key: str, gains: np.ndarray, whole: float) -> None:
         self.t += 1
-        ga, gb = float(gains[self.arms[0]]), float(gains[self.arms[1]])
+        a, b = self.arms
+        ga, gb = float(gains.item(a)), float(gains.item(b))
         s, m = self.scores, self.moments
         s[0] += ga
         s[1] += gb

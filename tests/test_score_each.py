@@ -47,3 +47,19 @@ def test_every_kind_of_scale_is_covered():
         assert (s.spans is not None) == (name == "subnormal"), name
         one = score.scorer(s)
         assert [bits(x) for x in score.score_each(s, t, e)] == [bits(one(a, b)) for a, b in zip(t, e)], name
+
+
+def test_a_scorer_put_in_its_place_is_applied_over_lists(monkeypatch):
+    """Replacing `score.scorer` (a new rule, or `tests/serving/test_rule_mutants.py`'s mutant)
+    replaces the list form too: `score_each` applies the replacement, not its inlined copy."""
+    t, e = [3.0, 1.0, 2.0, 0.3], [1.0, 9.0, 3.0, 1e-7]
+    s = scale_of(t, e, 0.7)
+    original = score.scorer
+
+    def value_first(scale):
+        return original(scale._replace(w_e=-scale.w_e))
+
+    monkeypatch.setattr(score, "scorer", value_first)
+    mutated = [bits(x) for x in score.score_each(s, t, e)]
+    assert mutated == [bits(value_first(s)(a, b)) for a, b in zip(t, e)]
+    assert mutated != [bits(original(s)(a, b)) for a, b in zip(t, e)]

@@ -90,11 +90,18 @@ def _recency(t, e):
     return t
 
 
+_INLINED_SCORER = scorer  # the `scorer` whose operations `score_each` inlines
+
+
 def score_each(s: Scale, t: list, e: list) -> list:
     """`scorer(s)` on each candidate of two parallel lists of floats, as a list: each score is
     `scorer(s)(t[i], e[i])` bit for bit (the same operations in the same order, in one
-    comprehension rather than a call per candidate: the tuner's shadows score a handful of
-    candidates at every eviction). The list form of the rule: a change to `scorer` is made here too."""
+    comprehension rather than a call per candidate: a small candidate index scores its handful
+    of candidates so at every eviction). The list form of the rule: the comprehensions below are
+    `scorer`'s operations, inlined while `scorer` is this module's own; a `scorer` put in its place
+    (a new rule, a mutant) is applied as it stands, so that replacing `scorer` replaces this too."""
+    if scorer is not _INLINED_SCORER:
+        return list(map(scorer(s), t, e))
     if s is LRU_SCALE:
         return t
     if s.spans is not None:

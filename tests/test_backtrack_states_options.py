@@ -10,7 +10,7 @@ POOLS = ["--workload", "synthetic:swe-agent", "--kv-tokens", "40000", "--mamba-s
          "--mamba-radix-cache-strategy", "extra_buffer"]
 
 
-@pytest.mark.parametrize("flag,count,setting", [("1", 1, 1), ("0", 0, 0), ("auto", None, 0)])
+@pytest.mark.parametrize("flag,count,setting", [("1", 1, 1), ("0", 0, 0), ("auto", None, 3)])  # auto: 3 in extra_buffer
 def test_the_simulators_option_reaches_the_served_pools(flag, count, setting):
     pools = served_pools_of(build_parser().parse_args([*POOLS, "--backtrack-states", flag]))
     assert (pools.backtrack_states, pools.backtrack_setting) == (count, setting)

@@ -42,11 +42,12 @@ Backtrack states (`policy/rules/backtrack_states.py`, with probation): a request
 stretch also keeps, on probation, up to B states at the chunk ends its prefill checkpoints anyway,
 spaced to cut the stretch into near-equal FLOP parts, never more states than upstream keeps for it;
 B from the serving config's `extra["backtrack_states"]` (0: off), by default the rule's default for
-the strategy (off), as the served-pools model's (`ServedPools.backtrack_states`) is. In extra_buffer
-a match does not resume at a backtrack state on probation less than a snapshot step before where
-its input leaves the tree (`backtrack_states.bars_resume`: from there the branch state could never
-be snapshotted): the cache calls `marconi_before_match` with the match's key, which finds those
-states on its path, and this component's match validator refuses them for that match.
+the strategy (3 in extra_buffer, off in no_buffer), as the served-pools model's
+(`ServedPools.backtrack_states`) is. In extra_buffer a match does not resume at a backtrack state on
+probation less than a snapshot step before where its input leaves the tree
+(`backtrack_states.bars_resume`: from there the branch state could never be snapshotted): the cache
+calls `marconi_before_match` with the match's key, which finds those states on its path, and this
+component's match validator refuses them for that match.
 
 Faults: admission has no state derived from the tree to rebuild, so an exception in its code is
 unrecoverable (`faults.py`): a rank alone takes upstream's admission from then on, a rank of a group

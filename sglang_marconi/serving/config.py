@@ -163,8 +163,7 @@ def add_marconi_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--marconi-backtrack-states", default="auto",
                    help="B: up to B extra SSM states per request at the chunk ends of a long replay, on probation, "
                         "so an agent that comes back to an earlier point of its trajectory lands near it (0: off); "
-                        f"auto: off for now (B={DEFAULT_PER_REQUEST} is the measured choice for backtracking agents "
-                        "in extra_buffer)")
+                        f"auto: B={DEFAULT_PER_REQUEST} in extra_buffer, off in no_buffer")
     g.add_argument("--marconi-host-depth", default="off",
                    help="with --enable-hierarchical-cache --hicache-write-policy write_back: rank the host tier "
                         "by conversation depth, age / (1 + depth)^B (B, or 'auto' to fit B from the stream); "

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "full-KV pool): marconi runs as served on those two pools")
     served.add_argument("--backtrack-states", type=_backtrack_states, default=None, metavar="auto|B",
                         help="backtrack states per request, as the server's --marconi-backtrack-states (default "
-                             "auto: off, the server's default; 3 suits backtracking agents in extra_buffer)")
+                             "auto: the server's default, 3 in extra_buffer, off in no_buffer)")
     served.add_argument("--tune-sync-every", type=int, default=32,
                         help="tuned marconi: requests between the server's sync points (--marconi-tune-sync-every)")
     p.add_argument("--no-progress", action="store_true")

@@ -166,20 +166,39 @@ def test_third_request_sharing_a_150_token_prompt_hits_all_150(server):
         assert cached == [0, 128, 128], cached
 
 
-def assert_at_most_two_states_per_prompt(url: str, prompts, serve) -> tuple[dict, dict]:
-    """`serve(prompt)` each prompt in turn: each admits at most two SSM states (its branch and its
-    end), plus at most one on probation at the end of its input (--marconi-probation, the default),
-    and the tree holds no more states than that after it. Returns the figures before and after."""
+def backtrack_states_of(server) -> int:
+    """B, the backtrack states per request the server keeps: its `--marconi-backtrack-states`, else
+    the rule's default for its strategy (`policy/rules/backtrack_states.py`)."""
+    from sglang_marconi.policy.rules.backtrack_states import default_setting, parse_backtrack_states
+
+    flag = "--marconi-backtrack-states"
+    setting = parse_backtrack_states(server.argv[server.argv.index(flag) + 1]) if flag in server.argv else None
+    return default_setting(server.strategy != "no_buffer") if setting is None else setting
+
+
+def assert_at_most_two_states_per_prompt(url: str, prompts, serve, backtrack_states: int = 0) -> tuple[dict, dict]:
+    """`serve(prompt)` (a Generation) each prompt in turn: each admits at most two SSM states (its
+    branch and its end), plus at most one on probation at the end of its input (--marconi-probation,
+    the default) and at most `backtrack_states` (B) on probation at its chunk ends, and the tree
+    holds no more states than that after it; with B, never more than upstream keeps for the
+    prompt (a state per prefill chunk from its hit, and the final one). Returns the figures before
+    and after."""
+    from sglang_marconi.policy.rules.backtrack_states import upstream_states
+
     before = marconi_figures(url)
     for prompt in prompts:
         figures = marconi_figures(url)
-        serve(prompt)
+        generation = serve(prompt)
         after = marconi_figures(url)
         assert after["marconi_ssm_states_admitted"] - figures["marconi_ssm_states_admitted"] <= 2
         probationary = (after["marconi_probationary_states_admitted"]
                         - figures["marconi_probationary_states_admitted"])
-        assert probationary <= 1
-        assert after["marconi_ssm_states_cached"] - figures["marconi_ssm_states_cached"] <= 2 + probationary
+        backtrack = after["marconi_backtrack_states_admitted"] - figures["marconi_backtrack_states_admitted"]
+        assert backtrack <= backtrack_states and probationary - backtrack <= 1, (probationary, backtrack)
+        cached = after["marconi_ssm_states_cached"] - figures["marconi_ssm_states_cached"]
+        assert cached <= 2 + probationary
+        if backtrack_states:
+            assert cached <= upstream_states(len(prompt), generation.cached_tokens, CHUNK), (cached, generation)
     return before, marconi_figures(url)
 
 
@@ -189,7 +208,7 @@ def test_long_prompts_leave_at_most_two_states_each(server):
     prompts.append(prompts[0][: 2 * CHUNK + 40] + tokens(4, 3 * CHUNK))  # branches inside the third chunk
     prompts.append(prompts[0][: 2 * CHUNK + 40] + tokens(5, 3 * CHUNK))
     before, after = assert_at_most_two_states_per_prompt(
-        server.url, prompts, lambda prompt: generate(server.url, prompt, max_new_tokens=6))
+        server.url, prompts, lambda prompt: generate(server.url, prompt, max_new_tokens=6), backtrack_states_of(server))
     assert after["marconi_ssm_states_admitted"] - before["marconi_ssm_states_admitted"] >= len(prompts)
     assert after["marconi_evictions_leaf"] == before["marconi_evictions_leaf"]  # nothing left by eviction
 

@@ -14,7 +14,9 @@ pytest.importorskip("sglang")
 from sglang_cpu import build_marconi_serving, run_request  # noqa: E402
 
 from sglang_marconi.policy.cost.model_profile import load_profile  # noqa: E402
-from sglang_marconi.policy.rules.backtrack_states import BacktrackStates, upstream_states  # noqa: E402
+from sglang_marconi.policy.rules.backtrack_states import (  # noqa: E402
+    BacktrackStates, default_setting, upstream_states,
+)
 from sglang_marconi.policy.tree.served_cache import ServedCache, ServedPools  # noqa: E402
 from sglang_marconi.serving.admission import chunk_end_for_branch  # noqa: E402
 from sglang_marconi.serving.config import MarconiServingConfig, add_marconi_args, config_from_args  # noqa: E402
@@ -150,8 +152,10 @@ def config_of_flags(*flags) -> MarconiServingConfig:
 
 
 # (strategy, --marconi-backtrack-states, B the flag stands for): each B differs from the strategy's
-# default (off) but "auto", so a flag that never reached the rule fails
-FLAG_CASES = [(True, "1", 1), (True, "3", 3), (True, "auto", 0), (False, "2", 2), (False, "auto", 0)]
+# default but "auto", so a flag that never reached the rule fails
+EXTRA_DEFAULT, NO_DEFAULT = default_setting(True), default_setting(False)
+FLAG_CASES = [(True, "1", 1), (True, "0", 0) if EXTRA_DEFAULT else (True, "3", 3), (True, "auto", EXTRA_DEFAULT),
+              (False, "2", 2), (False, "auto", NO_DEFAULT)]
 
 
 @pytest.mark.parametrize("extra_buffer,flag,per_request", FLAG_CASES,

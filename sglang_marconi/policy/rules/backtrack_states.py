@@ -51,13 +51,12 @@ DEFAULT_PER_REQUEST = 3
 
 def default_setting(extra_buffer: bool) -> int:
     """What a cache runs without a setting (the served config's extra["backtrack_states"], the
-    served-pools model's `ServedPools.backtrack_states` left None), the same on both sides: off,
-    in both strategies. In extra_buffer the rule lifts backtracking agents to upstream's level, but
-    on a live server with many users behind one system prompt (SGLang's frontend program) the
-    users from the third on hit only the last chunk end before the shared prompt's end instead of
-    all of it, so it stays an operator's choice (`--marconi-backtrack-states B`) until that is
-    understood. In no_buffer Marconi's admission is above upstream without it."""
-    return 0
+    served-pools model's `ServedPools.backtrack_states` left None), the same on both sides:
+    `DEFAULT_PER_REQUEST` in extra_buffer, where without it backtracking agents fall more than
+    2 points below upstream under a tight pool (docs/benchmarks.md); off in no_buffer, where
+    Marconi's admission is at or above upstream without it and the rule gains too little to pay
+    for its states."""
+    return DEFAULT_PER_REQUEST if extra_buffer else 0
 
 
 def upstream_states(input_len: int, resumed_at: int, chunk: int | None) -> int:

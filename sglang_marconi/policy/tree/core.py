@@ -146,8 +146,11 @@ class TreeCore:
                              and cls._compress is TreeCore._compress)
         # Where it keeps the core's leaf, touch and candidate upkeep too, an admission's new leaf is
         # listed once, with its state (`_admit`), rather than listed stateless and then re-scored.
-        cls._core_leaf = (cls._core_touch and cls._add_leaf is TreeCore._add_leaf and cls._refresh is TreeCore._refresh
-                          and cls._is_candidate is TreeCore._is_candidate)
+        # Where it keeps the core's candidate upkeep, an unlock tests the candidate predicate inline and
+        # calls `_refresh` only for a node it lists (a locked node is never listed: `lock`).
+        cls._core_refresh = (cls._refresh is TreeCore._refresh and cls._is_candidate is TreeCore._is_candidate
+                             and cls._compress is TreeCore._compress)
+        cls._core_leaf = cls._core_touch and cls._add_leaf is TreeCore._add_leaf and cls._core_refresh
 
     def _configure(self, profile, capacity_bytes: int, eviction: EvictionPolicy | None, tree, index, *,
                    checkpoint_grid: int = 1, state_slots: int | None = None, probation: bool = False,
@@ -334,13 +337,23 @@ class TreeCore:
 
     def unlock(self, node) -> None:
         root = self.tree.root
+        inline = self._core_refresh and not self._value_reaches_up
         while node is not None and node is not root:
             if node.lock_count <= 0:
                 raise MarconiError(f"unlock of {node!r} which is not locked")
             node.lock_count -= 1
             parent = node.parent
             if node.lock_count == 0:
-                self._refresh(node)
+                if inline:  # `_refresh`'s predicate, inline: a deep path's branch nodes are no candidates
+                    children = len(node.children)
+                    if children == 0 or (children == 1 and node.has_state and self._evicts_single_child):
+                        self._refresh(node)
+                        node = parent
+                        continue
+                    if node.slot >= 0:
+                        self._drop(node)
+                else:
+                    self._refresh(node)
                 if not node.has_state and len(node.children) == 1:  # what `_compress` asks first
                     self._compress(node)
             node = parent
@@ -491,8 +504,9 @@ class TreeCore:
         path, partial, partial_len, overlap = walk
         positions = [n] if checkpoint_at is None and not self.attention_only else self._admitted_positions(n, checkpoint_at)
         new_states = 0
+        last = path[-1] if path else None
         for pos in positions:
-            if not (path and _state_on(path, pos)):
+            if last is None or not (last.has_state if last.end == pos else _state_on(path, pos)):  # its first look, inline
                 new_states += 1
         # Lock what the request reuses, the nodes it matched whole (as SGLang locks a running
         # request's prefix), not the edge it leaves mid-way: that edge (another request's private
@@ -520,21 +534,34 @@ class TreeCore:
                 attach = self._split(partial, partial_len) if partial else (path[-1] if path else self.tree.root)
                 if partial:
                     spine.append(attach)
-                if len(positions) == 1 and self._core_leaf and not self._value_reaches_up:
-                    # The one state goes on the new leaf: `_add_leaf`, then the loop's state, touch and
-                    # refresh below, with the leaf listed once (the same slot, before its parent's refresh).
+                if (self._core_leaf and not self._value_reaches_up
+                        and (len(positions) == 1 or (len(positions) == 2 and positions[0] == attach.end))):
+                    # The end's state goes on the new leaf, the branch's (if any) on the node it hangs
+                    # from: `_add_leaf`, then the loop's states, touches and refreshes below, with the
+                    # leaf listed once (the same slot and score). `attach` is never a candidate here
+                    # (locked, the root, or a split head with two children), so its refreshes list
+                    # nothing, and the leaf is scored with its parent's state set, as the loop scores it.
+                    if len(positions) == 2:
+                        if not attach.has_state:
+                            attach.has_state = True
+                            self.ssm_states += 1
+                            admitted = 1
+                        elif self.probation and self._probation:
+                            self._probation.confirm(attach)
+                        self.clock = attach.last_access = self.clock + 1.0
                     leaf = (self.tree.add_leaf(attach, request, overlap, n) if self._request_edge_is_span
                             else self.tree.add_leaf(attach, *self._request_edge(request, overlap, n)))
                     self.kv_tokens += leaf.end - attach.end
                     leaf.has_state = True
                     self.ssm_states += 1
                     self.clock = leaf.last_access = self.clock + 1.0
-                    self._refresh(leaf)
-                    if attach is not self.tree.root:
-                        self._refresh(attach)
+                    # `_refresh(leaf)`: an unlocked childless node is listed; `_refresh(attach)` lists
+                    # nothing (`attach` is no candidate and, locked or new, unlisted)
+                    leaf.slot = self.index.add(leaf, leaf.last_access,
+                                               self._node_value(leaf) if self._ranks_by_value else 0.0)
                     spine.append(leaf)
                     states_at = ()
-                    admitted = 1
+                    admitted += 1
                 else:
                     spine.append(self._add_leaf(attach, *self._request_edge(request, overlap, n)))
             elif partial:

@@ -3,6 +3,7 @@ simulator: every request of a session is kept or dropped together, identically i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 from sglang_marconi.policy.errors import MarconiError
@@ -14,6 +15,7 @@ def check_rate(rate: float) -> float:
     return float(rate)
 
 
+@functools.lru_cache(maxsize=1 << 14, typed=True)  # a session asks once per request; a bad rate is never cached
 def session_in_sample(session_id: str, rate: float, salt: int = 0) -> bool:
     """Keep a session when the first 8 bytes of blake2b(f"{salt}\\0{session_id}") fall below
     rate * 2**64 (never Python's per-process salted hash())."""

@@ -7,8 +7,8 @@ if [ -z "${SGLANG_MARCONI_SKIP_SGLANG:-}" ]; then
   source "$root/scripts/install_sglang_cpu.sh"
 fi
 if [ "$#" -eq 0 ]; then
-  # The whole suite on two workers: the live-server tests run as two units, one per worker
-  # (tests/conftest.py), and the in-process tests fill in around them.
+  # The whole suite on two workers: the live-server tests stay together on one of them
+  # (tests/conftest.py groups them), the other runs the in-process tests beside them.
   set -- -n 2 --dist loadgroup --durations=30
 fi
 exec python -m pytest "$@"

@@ -33,6 +33,23 @@ FAKE_LAUNCHER = textwrap.dedent("""
 """)
 
 
+# Serves at once, with a child in its process group; on SIGTERM it takes its time to exit (as
+# SGLang's launcher does, waiting for crash diagnostics once a scheduler dies of the signal).
+SLOW_TO_EXIT_LAUNCHER = textwrap.dedent("""
+    import http.server, pathlib, signal, subprocess, sys, time
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    pathlib.Path(sys.argv[0]).with_name("child.pid").write_text(str(child.pid))
+    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(30), sys.exit(0)))
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *args):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+""")
+
+
 @pytest.fixture
 def fake_launcher(tmp_path, monkeypatch):
     (tmp_path / "fake_launcher.py").write_text(FAKE_LAUNCHER)
@@ -67,6 +84,36 @@ def test_a_port_taken_every_time_fails_with_the_servers_log(fake_launcher):
     with pytest.raises(ServerFailed, match="address already in use"):
         start_server("unused-model", launcher="fake", device="fake", extra_args=("--always-taken",),
                      log_path=fake_launcher / "server.log", ready_timeout_s=60, hard_limit_s=120)
+
+
+def test_stop_kills_the_whole_process_group_at_once(tmp_path, monkeypatch):
+    """`LiveServer.stop()` does not wait on the server's own shutdown: the launcher and its child
+    are gone long before the launcher's SIGTERM handler would have let it exit."""
+    (tmp_path / "slow_launcher.py").write_text(SLOW_TO_EXIT_LAUNCHER)
+    monkeypatch.setitem(live_server.LAUNCHERS, "slow", "slow_launcher")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    server = start_server("unused-model", launcher="slow", device="fake", log_path=tmp_path / "server.log",
+                          ready_timeout_s=60, hard_limit_s=120)
+    try:
+        child = int((tmp_path / "child.pid").read_text())
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < 10  # the SIGTERM handler alone takes 30 s
+        assert server.process.poll() is not None
+        deadline = time.monotonic() + 10  # the child, orphaned, is reaped by whoever adopts it
+        while _alive(child):
+            assert time.monotonic() < deadline, f"child {child} outlived stop()"
+            time.sleep(0.1)
+    finally:
+        server.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, not yet reaped
+    except FileNotFoundError:
+        return False
 
 
 if __name__ == "__main__":

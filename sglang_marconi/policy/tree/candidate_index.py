@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from sglang_marconi.policy.rules import score
+from sglang_marconi.policy.tree.own_code import own_copies
 
 TieKey = Union[int, tuple]
 # Up to this many candidates a weighted choice scores plain Python floats (`score.score_each`)
@@ -37,6 +38,12 @@ class CandidateIndex:
 
     # The tie key of a tree's nodes: `CandidateIndex(tie_key=CandidateIndex.node_id)`.
     node_id = operator.attrgetter("id")
+    # What every eviction runs: each index class runs its own copy (`own_code.py`).
+    _hot_methods = ("lowest", "scale", "key_of")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own_copies(cls, cls._hot_methods)
 
     def __init__(self, initial_capacity: int = 1024, tie_key: Optional[Callable[[Any], TieKey]] = None):
         if initial_capacity < 1:

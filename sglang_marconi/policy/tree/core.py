@@ -51,6 +51,7 @@ from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEvicti
 from sglang_marconi.policy.rules.probation import ProbationRegistry, evict_oldest_probationary
 from sglang_marconi.policy.rules import value as value_rule
 from sglang_marconi.policy.tree.candidate_index import CandidateIndex
+from sglang_marconi.policy.tree.own_code import origin, own_copies
 from sglang_marconi.policy.tree.radix_tree import PoolNode, RadixTree
 
 # Policies whose `choose` is `candidates.lowest(alpha)` (LRU: alpha 0): under a fixed choice the
@@ -137,20 +138,28 @@ class TreeCore:
     # new leaf then passes them to the tree without asking).
     _request_edge_is_span = False
 
+    # The methods a request runs through: each configuration class runs its own copy (`own_code.py`).
+    _hot_methods = ("_hit", "_admit", "_make_room", "evict", "_evict_one", "_refresh", "_drop", "lock", "unlock",
+                    "flop_efficiency", "_touch", "_touch_hit", "_add_leaf", "_split", "_compress", "_node_on",
+                    "_forget_state", "_remove_leaf", "_rescore_stated_ancestor")
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        own_copies(cls, cls._hot_methods)
+
+        def core(name: str) -> bool:  # whether `cls` keeps the core's method (its own copy of it or the original)
+            return origin(getattr(cls, name)) is getattr(TreeCore, name)
+
         # Where a configuration keeps the core's touch, or its state and leaf removal, the hot paths
         # (a lookup's hit, an admission, an eviction) do them inline rather than through the hooks.
-        cls._core_touch = cls._touch is TreeCore._touch and cls._touch_hit is TreeCore._touch_hit
-        cls._core_removal = (cls._forget_state is TreeCore._forget_state and cls._remove_leaf is TreeCore._remove_leaf
-                             and cls._compress is TreeCore._compress)
+        cls._core_touch = core("_touch") and core("_touch_hit")
+        cls._core_removal = core("_forget_state") and core("_remove_leaf") and core("_compress")
         # Where it keeps the core's leaf, touch and candidate upkeep too, an admission's new leaf is
         # listed once, with its state (`_admit`), rather than listed stateless and then re-scored.
         # Where it keeps the core's candidate upkeep, an unlock tests the candidate predicate inline and
         # calls `_refresh` only for a node it lists (a locked node is never listed: `lock`).
-        cls._core_refresh = (cls._refresh is TreeCore._refresh and cls._is_candidate is TreeCore._is_candidate
-                             and cls._compress is TreeCore._compress)
-        cls._core_leaf = cls._core_touch and cls._add_leaf is TreeCore._add_leaf and cls._core_refresh
+        cls._core_refresh = core("_refresh") and core("_is_candidate") and core("_compress")
+        cls._core_leaf = cls._core_touch and core("_add_leaf") and cls._core_refresh
 
     def _configure(self, profile, capacity_bytes: int, eviction: EvictionPolicy | None, tree, index, *,
                    checkpoint_grid: int = 1, state_slots: int | None = None, probation: bool = False,
@@ -506,7 +515,8 @@ class TreeCore:
         new_states = 0
         last = path[-1] if path else None
         for pos in positions:
-            if last is None or not (last.has_state if last.end == pos else _state_on(path, pos)):  # its first look, inline
+            # `_state_on`'s first looks, inline: no node of the path ends past its deepest one
+            if last is None or last.end < pos or not (last.has_state if last.end == pos else _state_on(path, pos)):
                 new_states += 1
         # Lock what the request reuses, the nodes it matched whole (as SGLang locks a running
         # request's prefix), not the edge it leaves mid-way: that edge (another request's private

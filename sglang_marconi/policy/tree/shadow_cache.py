@@ -169,6 +169,10 @@ class ReferencedTree:
 
 
 class ShadowCache(TreeCore):
+    # Its own attributes in slots: the core's stay within the 30 an instance keeps inline, where CPython
+    # caches both its attribute reads and its method lookups (`own_code.py` on why that matters).
+    __slots__ = ("page_size", "root", "_walk", "_walked")
+
     def __init__(self, profile, capacity_bytes: int, eviction: EvictionPolicy, *, checkpoint_grid: int = 1,
                  page_size: int = 1, state_slots: int | None = None, probation: bool = False,
                  flops: FlopsTable | None = None):
@@ -188,6 +192,7 @@ class ShadowCache(TreeCore):
         return self.tree.nodes()
 
     _request_edge_is_span = True
+    _hot_methods = TreeCore._hot_methods + ("lookup", "admit")
 
     @staticmethod
     def _request_edge(match: SharedMatch, start: int, end: int) -> tuple:

@@ -981,6 +981,8 @@ class _SharedShadow(ShadowCache):
     (only the node hit is refreshed: `last_access`, `clock`) and SGLang's LRU (every node of the
     matched path: `path_access`, `path_clock`)."""
 
+    __slots__ = ("path_access", "path_clock")  # as `ShadowCache`'s own
+
     def __init__(self, profile, capacity_bytes: int, *, checkpoint_grid: int, page_size: int, state_slots,
                  probation: bool = False, flops: FlopsTable | None = None):
         super().__init__(profile, capacity_bytes, _ForkBeforeEvicting(), checkpoint_grid=checkpoint_grid,

@@ -4,8 +4,9 @@ gap is located where it accrued."""
 
 from __future__ import annotations
 
-import importlib.util
+import runpy
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -22,10 +23,7 @@ WORKLOAD, CAPACITY = "synthetic:system-prompt", int(0.5e9)
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("tuner_trace", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return SimpleNamespace(**runpy.run_path(str(SCRIPT)))
 
 
 def test_the_gap_is_located_where_it_accrued():

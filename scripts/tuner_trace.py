@@ -28,6 +28,7 @@ from sglang_marconi.policy.cost.model_profile import load_profile
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.tuning.evidence import LONG, SHORT
 from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, choice_label
+from sglang_marconi.sim import robustness
 from sglang_marconi.sim.hindsight import replay_best
 from sglang_marconi.sim.policies import build_policy
 from sglang_marconi.sim.replay import replay
@@ -90,9 +91,22 @@ def where_the_gap_accrues(tuned_hits, best_hits) -> dict:
             "cumulative_lead": lead[:: max(1, n // 200)].tolist()}
 
 
+def workload_named(name: str):
+    """A workload the simulator reads, or one of the robustness suite's adversarial traces
+    (`adversarial:KIND:seed=N`, `sim/robustness.py`)."""
+    family, _, rest = name.partition(":")
+    if family != "adversarial":
+        return load_workload(name)
+    kind, _, seed = rest.partition(":seed=")
+    if kind not in robustness.ADVERSARIAL or not seed.isdigit():
+        raise MarconiError(f"adversarial trace {name!r}: expected adversarial:KIND:seed=N, KIND one of "
+                           f"{', '.join(robustness.ADVERSARIAL)}")
+    return robustness.ADVERSARIAL[kind](int(seed))
+
+
 def run(workload_name: str, model: str, capacity: int, out: Path | None, plot: bool, profile=None) -> dict:
     """`profile`: a profile object in place of the named `model` (e.g. a layer-ratio variant)."""
-    workload = load_workload(workload_name)
+    workload = workload_named(workload_name)
     profile = load_profile(model) if profile is None else profile
     config = shadow_config_for(workload, profile, capacity, ShadowConfig(), None)
     best = replay_best(workload, profile, capacity, config, progress=True)
@@ -195,7 +209,8 @@ def plot_trace(r: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", required=True, help="a workload the simulator reads (e.g. synthetic:sharegpt)")
+    p.add_argument("--workload", required=True,
+                   help="a workload the simulator reads (e.g. synthetic:sharegpt), or adversarial:KIND:seed=N")
     p.add_argument("--capacity", required=True, type=parse_bytes, help="cache bytes, e.g. 5GB")
     p.add_argument("--model", default="paper-7b")
     p.add_argument("--out", type=Path, default=Path("out/tuner_trace"))

@@ -9,8 +9,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from sglang_marconi.policy.cost.model_profile import load_profile
+from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, choice_label
 from sglang_marconi.sim.policies import build_policy
 from sglang_marconi.sim.replay import replay
@@ -56,3 +58,12 @@ def test_recording_changes_nothing_and_holds_every_switch(capsys):
     tuned_hits = np.asarray(run.per_request["hit_tokens"])
     assert result["gap"]["final_lead_tokens"] == round(result["best_hit_rate"] * run.input_tokens) - tuned_hits.sum()
     assert "decisions: lru@0 > " in capsys.readouterr().out
+
+
+def test_the_robustness_suites_adversarial_traces_are_named_as_in_the_suite():
+    script = _script()
+    assert script.workload_named("adversarial:shift-halfway:seed=2").name == "adversarial:shift-halfway:seed=2"
+    with pytest.raises(MarconiError, match="'adversarial:nope:seed=2'"):
+        script.workload_named("adversarial:nope:seed=2")
+    with pytest.raises(MarconiError, match="'adversarial:shift-halfway'"):
+        script.workload_named("adversarial:shift-halfway")

@@ -34,9 +34,6 @@ CPU_FLAGS = (
     "--max-running-requests", "4", "--max-total-tokens", "8192", "--max-mamba-cache-size", "24",
     "--enable-metrics", "--log-level", "warning",
 )
-# Servers the tests start: no warm-up request (seconds per start on this CPU). Readiness is still
-# a generation (`/health_generate`), and no test counts on the warm-up's tokens or requests.
-TEST_SERVER_FLAGS = ("--skip-server-warmup",)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -163,11 +160,11 @@ def start_server(model_dir: str | Path, *, launcher: str = "marconi", extra_args
                  hard_limit_s: int = 3600, env: dict | None = None) -> LiveServer:
     """Launch a server and wait until it generates; raise ServerFailed with its log tail if it
     exits or is not ready in time (the process group is killed either way). `device="cpu"`:
-    SGLang's CPU engine with `CPU_FLAGS`, `TEST_SERVER_FLAGS` and the kernel stand-ins; otherwise
-    SGLang's defaults for that device (metrics on). `extra_args` come last, so they override."""
+    SGLang's CPU engine with `CPU_FLAGS` and the kernel stand-ins; otherwise SGLang's defaults
+    for that device (metrics on). `extra_args` come last, so they override."""
     if Path(model_dir).exists():  # a local model: absolute, since the server runs in the log's directory
         model_dir = Path(model_dir).resolve()
-    device_args = (*CPU_FLAGS, *TEST_SERVER_FLAGS) if device == "cpu" else ("--device", device, "--enable-metrics")
+    device_args = CPU_FLAGS if device == "cpu" else ("--device", device, "--enable-metrics")
     run_env = (cpu_engine_env(env, parallel_ranks(extra_args)) if device == "cpu"
                else {**os.environ, **(env or {})})
     log_path = Path(log_path)

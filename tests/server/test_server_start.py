@@ -13,6 +13,17 @@ import pytest
 import live_server
 from live_server import ServerFailed, free_port, start_server
 
+# Answers every GET with 200 on --port, forever (the launchers below end with it).
+HEALTH_SERVER = textwrap.dedent("""
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *args):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+""")
+
+
 # Prints uvicorn's bind error and stays up (as SGLang's launcher does) the first time; serves
 # /health_generate on --port after that.
 FAKE_LAUNCHER = textwrap.dedent("""
@@ -24,13 +35,7 @@ FAKE_LAUNCHER = textwrap.dedent("""
         print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
               "address already in use", flush=True)
         time.sleep(120)
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200); self.end_headers()
-        def log_message(self, *args):
-            pass
-    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
-""")
+""") + HEALTH_SERVER
 
 
 # Serves at once, with a child in its process group; on SIGTERM it takes its time to exit (as
@@ -41,13 +46,7 @@ SLOW_TO_EXIT_LAUNCHER = textwrap.dedent("""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     pathlib.Path(sys.argv[0]).with_name("child.pid").write_text(str(child.pid))
     signal.signal(signal.SIGTERM, lambda *_: (time.sleep(30), sys.exit(0)))
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200); self.end_headers()
-        def log_message(self, *args):
-            pass
-    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
-""")
+""") + HEALTH_SERVER
 
 
 @pytest.fixture

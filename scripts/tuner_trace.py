@@ -11,7 +11,9 @@ over the long and the short window, and the test the tuner applies to the hindsi
 choice in force: its long-window lead in points against the adoption bar (margin x (1 + strikes)), its
 lead in session-clustered standard errors against `z`, and whether it leads in both halves of the
 sessions. Prints the decisions and the evidence at ten points of the trace; writes the whole trace as
-JSON and, unless --no-plot, a PNG (`tuner_trace_<cell>.png`).
+JSON and, unless --no-plot, a PNG (`tuner_trace_<cell>.png`). At a sample rate below 1 the verifier,
+not this step, adopts what the shadows propose: its adoptions are in the decisions, not in the
+records' `switched_to`.
 """
 
 from __future__ import annotations

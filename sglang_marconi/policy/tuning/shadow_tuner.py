@@ -27,7 +27,10 @@ shadow cache per candidate choice, all kept running on the same sample of sessio
 - The rule (`_decide`, every `epoch` sampled requests): first the guard, then adoption.
   Guard: a current choice other than the safe one (LRU, the start) is abandoned as soon as LRU
   leads it (since the switch, over the short window or the long one; `guard_margin`,
-  `guard_z`); each revert raises that choice's bar (margin x (1 + reverts)). Adoption: the
+  `guard_z`), or as soon as LRU's shadow leads the live cache's stand-in (`_LiveStandIn`: a
+  cache that follows the live cache's choices, the live cache itself at rate 1; a live cache whose
+  contents earlier choices shaped can trail the shadow that led it to its choice); each revert
+  raises that choice's bar (margin x (1 + reverts)). Adoption: the
   leader (best long-window score; near-ties, within `tie`, to the value-first choices) replaces
   the current choice if it leads it (and LRU) by the margin and either significantly (`z`
   clustered standard errors over the long window, both halves, still ahead over the short
@@ -52,7 +55,9 @@ Cost: every cache the tuner runs (shared shadow, shadows, miniatures, the verifi
 `ShadowCache` (`policy/tree/shadow_cache.py`): `HybridPrefixCache`'s admission and eviction step for
 step, on edges that reference the requests' own tokens; a request's tokens are compared with each
 earlier request once for all of them (`SharedMatch`). The guard's since-switch sums are kept for the
-two arms it compares only (`GuardSums`), and not at all while the safe choice is current.
+two arms it compares only (`GuardSums`), and not at all while the safe choice is current. The
+live cache's stand-in is one cache more from the first switch on, until it holds what the current
+choice's shadow holds (then it is dropped until the next switch).
 
 The tuner never touches the live cache: `observe()` returns the new choice when it switches and
 the caller adopts it (`adopt_choice` for the policy core's cache, the serving runtime for
@@ -82,7 +87,7 @@ from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.tree.radix_tree import as_token_array
 from sglang_marconi.policy.tuning.sampling import check_rate, session_in_sample
 from sglang_marconi.policy.tree.served_cache import ServedCache, ServedPools
-from sglang_marconi.policy.tree.shadow_cache import FlopsTable, ShadowCache, ShadowNode
+from sglang_marconi.policy.tree.shadow_cache import FlopsTable, ShadowCache, ShadowNode, same_contents
 from sglang_marconi.policy.tree.shared_match import SharedMatch
 
 LRU = "lru"  # the choice that stands for SGLang's LRU (leaves only, whole-path refresh)
@@ -195,6 +200,7 @@ class ShadowConfig:
     revive_every: int = 4000  # sampled requests between revivals of dropped shadows (forked from the current one's)
     verify_rate: float | None = None  # sessions the verifier's caches see (salt 1); None: min(1, max(0.5, 2 x sample_rate))
     verify: bool = True  # at sample_rate < 1, adopt only what the verifier's larger sample confirms (`_Verifier`)
+    live_guard: bool = True  # without a verifier, also guard the live cache's stand-in against the safe choice (`_LiveStandIn`)
 
     def __post_init__(self):
         if not self.alpha_grid:
@@ -359,6 +365,9 @@ class ShadowTuner:
         self.log = TunerLog(decisions=[(0, self.current)])
         self._fed = 0  # observe() calls: equal to log.requests while the caller feeds every request
         self.last_hits: list[int] | None = None  # each choice's shadow's hit on the last sampled request (0: dropped)
+        # The live cache's stand-in (`_LiveStandIn`), from the first switch away from the safe choice on,
+        # where no verifier keeps one.
+        self.live: _LiveStandIn | None = None
         self.verifier = _Verifier(self, capacity_bytes, checkpoint_grid=checkpoint_grid, page_size=page_size,
                                   state_slots=state_slots, probation=probation) if rate < 1 and config.verify else None
 
@@ -443,6 +452,8 @@ class ShadowTuner:
                 hits.append(hit)
         self.last_hits = hits
         self._score(key, hits, input_len)
+        if self.live is not None:
+            self.live.serve(key, match, hits[0])
         self._since_switch += 1
         self._since_decision += 1
         if self._since_decision >= self.config.epoch:
@@ -491,9 +502,10 @@ class ShadowTuner:
         c, ev = self.config, self.evidence
         cur, safe = self.choices.index(self.current), 0
         best = self._prune_or_revive(cur)
-        if cur != safe and self.verifier is None and any(
+        if cur != safe and self.verifier is None and (any(
                 e.lead(safe, cur, w, c.guard_margin, z)
-                for e, w, z in ((self.since, LONG, c.z), (ev, SHORT, c.guard_z), (ev, LONG, c.guard_z))):
+                for e, w, z in ((self.since, LONG, c.z), (ev, SHORT, c.guard_z), (ev, LONG, c.guard_z)))
+                or (self.live is not None and self.live.trails_safe())):
             self.strikes[cur] += 1
             self.log.reverts += 1
             return self._switch(safe)
@@ -575,8 +587,13 @@ class ShadowTuner:
         self._since_switch = 0
         self._held = [0.0] * len(self.choices)
         self.since = GuardSums(index)
+        left = self.choices.index(self.current)
         self.current = self.choices[index]
         self.log.decisions.append((self.log.requests, self.current))
+        if self.verifier is None and self.config.live_guard:
+            if self.live is None:
+                self.live = _LiveStandIn(self)
+            self.live.switch(left, self.current)
         return self.current
 
     def score_table(self) -> dict[str, float]:
@@ -719,6 +736,75 @@ class _Verifier:
         self.evidence = self.evidence.select(arms) if len(arms) > 1 else None
         self.trial = None
         self.mirror = 1 if len(arms) > 1 and self.mirror is not None and arms[1] == self.mirror else None
+
+
+class _LiveStandIn:
+    """The live cache as the tuner can see it where no verifier keeps a stand-in: a cache over the
+    shadows' sample that switches whenever the live cache does, forked at the first switch from the
+    shadow of the choice the live cache ran until then (at sample rate 1 it is then the live cache,
+    hit for hit).
+
+    A shadow predicts what its choice does from the contents its own choice shaped since the fork;
+    a live cache that adopts it later holds contents shaped by earlier choices, and a value-first
+    rule keeps what it finds (long prefixes it ranks high are never evicted), so the live cache can
+    fall behind the very shadow that led it there. The guard (`trails_safe`) compares the stand-in
+    with the safe choice's shadow, the exact "what if we had stayed", since the last switch (undecayed,
+    `z`) and over a short window from it (`guard_half_life`, `guard_z`), both by `guard_margin`.
+
+    Merged: once the stand-in holds what the current choice's shadow holds, node for node, in the
+    same order of recency (`same_contents`, checked every `MERGE_EVERY` sampled requests), the two
+    run alike from then on, so the stand-in is dropped and the shadows' own guard stands for it; the
+    next switch forks it again from that shadow. Most adoptions end so: a cost of one cache for a
+    while, not for the rest of the stream."""
+
+    MERGE_EVERY = 64
+
+    def __init__(self, tuner: ShadowTuner):
+        self.tuner = tuner
+        self.cache = None  # None: not forked yet, or merged into the current choice's shadow
+        self.since: GuardSums | None = None
+        self.short: Evidence | None = None
+        self.last_hit = 0  # its hit on the last sampled request
+        self._served = 0
+        # Merging compares policy-core trees (the served model keeps no comparable order of recency)
+        self._merges = tuner.served is None and not tuner.probation
+
+    def switch(self, left: int, choice: Choice) -> None:
+        """The live cache leaves choice index `left` for `choice`."""
+        tuner = self.tuner
+        if self.cache is None:
+            self.cache = restore_shadow(tuner.profile, tuner.shadows[left].snapshot(),
+                                        eviction_for(tuner.choices[left], tuner.record), flops=tuner.flops,
+                                        record=tuner._safe_record())
+        if isinstance(self.cache, ServedShadow):
+            self.cache.cache.set_choice(choice)
+        else:
+            self.cache.set_eviction(eviction_for(choice, tuner.record))
+        self.since = GuardSums(1)
+        self.short = Evidence(2, (tuner.config.guard_half_life,))
+
+    def serve(self, key: str, match: SharedMatch, safe_hit: int) -> None:
+        cache, tuner = self.cache, self.tuner
+        if cache is None:
+            return
+        hit, checkpoint_at = cache.lookup(match)
+        cache.admit(match, checkpoint_at, match.input_len)
+        self.last_hit = hit
+        if tuner.current != tuner.config.start:  # read by the guard only off the safe choice
+            gains, whole = tuner.gains((safe_hit, hit), match.input_len)
+            self.since.add(key, gains, whole)
+            self.short.add(key, gains, whole)
+        self._served += 1
+        if self._merges and self._served % self.MERGE_EVERY == 0:
+            shadow = tuner.shadows[tuner.choices.index(tuner.current)]
+            if shadow is not None and same_contents(cache, shadow):
+                self.cache = None
+
+    def trails_safe(self) -> bool:
+        if self.cache is None:  # merged: the shadows' guard judges the current choice's shadow
+            return False
+        c = self.tuner.config
+        return self.since.lead(0, 1, LONG, c.guard_margin, c.z) or self.short.lead(0, 1, 0, c.guard_margin, c.guard_z)
 
 
 def leading_arm(evidence: Evidence, tie: float) -> int:

@@ -748,8 +748,10 @@ class _LiveStandIn:
     a live cache that adopts it later holds contents shaped by earlier choices, and a value-first
     rule keeps what it finds (long prefixes it ranks high are never evicted), so the live cache can
     fall behind the very shadow that led it there. The guard (`trails_safe`) compares the stand-in
-    with the safe choice's shadow, the exact "what if we had stayed", since the last switch (undecayed,
-    `z`) and over a short window from it (`guard_half_life`, `guard_z`), both by `guard_margin`.
+    with the safe choice's shadow, the exact "what if we had stayed", since the last switch (undecayed)
+    and over a short window from it (`guard_half_life`), both by `guard_margin` and at `z` standard
+    errors, not the shadows' `guard_z`: a revert costs the live cache the contents it built (a rule
+    that ranks by continuation often trails LRU for a while before it pays, Mooncake).
 
     Merged: once the stand-in holds what the current choice's shadow holds, node for node, in the
     same order of recency (`same_contents`, checked every `MERGE_EVERY` sampled requests), the two
@@ -804,7 +806,7 @@ class _LiveStandIn:
         if self.cache is None:  # merged: the shadows' guard judges the current choice's shadow
             return False
         c = self.tuner.config
-        return self.since.lead(0, 1, LONG, c.guard_margin, c.z) or self.short.lead(0, 1, 0, c.guard_margin, c.guard_z)
+        return self.since.lead(0, 1, LONG, c.guard_margin, c.z) or self.short.lead(0, 1, 0, c.guard_margin, c.z)
 
 
 def leading_arm(evidence: Evidence, tie: float) -> int:

@@ -424,3 +424,24 @@ def test_a_live_cache_that_trails_lru_while_its_shadow_leads_is_sent_back(live_g
         assert tuned_rate >= lru_rate and tuned.tuner.log.reverts >= 1
     else:
         assert tuned_rate < lru_rate - 0.01 and tuned.tuner.log.reverts == 0
+
+
+def test_the_stand_in_forks_from_lru_where_the_verifier_adopted_a_dropped_shadow(toy):
+    # The verifier adopts a choice (its own trial, not the shadow), then steps aside (the caller
+    # passes only sampled requests): the shadows' guard and the stand-in take over. If that choice's
+    # shadow was dropped from the race, the stand-in forks from LRU's at the next switch.
+    from sglang_marconi.policy.tuning.sampling import session_in_sample
+    from shadow_streams import revisits
+
+    config = ShadowConfig(sample_rate=0.3, epoch=2, half_life=200.0, guard_half_life=50.0, dwell=20)
+    tuner = ShadowTuner(toy, 1500, config)
+    for i, (sid, inp, out) in enumerate(revisits(400, 9)):
+        if i >= 300 and not session_in_sample(sid, 0.3):
+            tuner.log.requests += 1
+            continue
+        tuner.observe(sid, inp, out)
+    assert tuner.verifier is None and tuner.current != LRU
+    cur = tuner.choices.index(tuner.current)
+    tuner.live, tuner.shadows[cur] = None, None  # as right after the verifier stepped aside
+    tuner._switch(0)
+    assert tuner.live.cache is not None and tuner.live.cache.kv_tokens == tuner.shadows[0].kv_tokens

@@ -753,9 +753,9 @@ class _LiveStandIn:
     errors, not the shadows' `guard_z`: a revert costs the live cache the contents it built (a rule
     that ranks by continuation often trails LRU for a while before it pays, Mooncake).
 
-    Merged: once the stand-in holds what the current choice's shadow holds, node for node, in the
-    same order of recency (`same_contents`, checked every `MERGE_EVERY` sampled requests), the two
-    run alike from then on, so the stand-in is dropped and the shadows' own guard stands for it; the
+    Merged: once the stand-in holds what the current choice's shadow holds, node for node, with
+    recency stamps one offset apart (`same_contents`, checked every `MERGE_EVERY` sampled requests),
+    the two run alike from then on (a depth rule reads the tuner's one record), so the stand-in is dropped and the shadows' own guard stands for it; the
     next switch forks it again from that shadow. Most adoptions end so: a cost of one cache for a
     while, not for the rest of the stream."""
 
@@ -775,6 +775,8 @@ class _LiveStandIn:
         """The live cache leaves choice index `left` for `choice`."""
         tuner = self.tuner
         if self.cache is None:
+            if tuner.shadows[left] is None:  # a choice the verifier adopted before it stepped aside, since dropped
+                left = 0
             self.cache = restore_shadow(tuner.profile, tuner.shadows[left].snapshot(),
                                         eviction_for(tuner.choices[left], tuner.record), flops=tuner.flops,
                                         record=tuner._safe_record())

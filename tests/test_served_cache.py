@@ -94,6 +94,150 @@ def test_a_copy_is_independent():
     assert len(hits) > 0
 
 
+def _session_requests(rng):
+    """Conversations that extend their last sequence, restart now and then and end."""
+    sessions = {}
+    while True:
+        k = int(rng.integers(6))
+        if k not in sessions or rng.random() < 0.15:
+            sessions[k] = rng.integers(0, 1000, 15)
+        inp = np.concatenate((sessions[k], rng.integers(0, 1000, int(rng.integers(1, 8)))))
+        out = rng.integers(0, 1000, 3)
+        sessions[k] = np.concatenate((inp, out))
+        if len(sessions[k]) > 120:
+            del sessions[k]
+        yield inp.astype(np.int64), out.astype(np.int64)
+
+
+@pytest.mark.parametrize("strategy", [NO_BUFFER, EXTRA_BUFFER])
+@pytest.mark.parametrize("choice", [LRU, 1.0, 20.0, "seglen:100", "depth:1"])
+def test_served_caches_found_to_hold_the_same_contents_go_on_alike(strategy, choice):
+    """`same_contents` of two models of SGLang's cache, the tuner's stand-in merge test, is sound:
+    fed one stream, one cache under another choice for a while (as a stand-in forked from another
+    choice's shadow), then both under `choice`; once it finds them alike they hit alike on every
+    later request and stay alike. Small pools with chunk ends, snapshots and backtrack states
+    (extra_buffer); the depth rule reads each cache's own record. (A test of counts alone fails
+    here in 24-48 of the 60 runs of every cell.)"""
+    from sglang_marconi.policy.rules.continuation import ContinuationRecord
+
+    found = 0
+    for seed in range(60):
+        rng = np.random.default_rng(seed)
+        pools = ServedPools(500, 6 if strategy == NO_BUFFER else 9, strategy, 16, snapshot_step=8,
+                            decode_snapshot_step=16)
+        a, b = ServedCache(PROFILE, pools, choice), ServedCache(PROFILE, pools, 1.0 if choice == LRU else LRU)
+        if b.continuation is None:  # a tuner's served shadows keep the stream's record from the start
+            b.continuation = ContinuationRecord()
+        requests = _session_requests(rng)
+        switch_at, alike = int(rng.integers(5, 40)), False
+        for i in range(200):
+            if i == switch_at:
+                b.set_choice(choice)
+            inp, out = next(requests)
+            hits = a.serve(inp, out).hit_tokens, b.serve(inp, out).hit_tokens
+            if alike:
+                assert hits[0] == hits[1] and a.same_contents(b), seed
+            elif i >= switch_at and a.same_contents(b):
+                alike, found = True, found + 1
+    assert found >= 5  # the pasts did converge: the claim was put to the test
+
+
+def test_the_same_prefixes_touched_in_another_order_are_not_the_same_contents():
+    """Two caches with one tree whose prefixes were used in another order evict differently, and
+    `same_contents` tells them apart: by the nodes' recency (leaves ranked under KV pressure), and
+    by the states' own recency (ranked under state pressure; the trees' stamps equal)."""
+    x, y = list(range(1, 201)), list(range(1001, 1201))
+    a, b = model(kv=700, slots=5, choice=LRU), model(kv=700, slots=5, choice=LRU)
+    for cache, order in ((a, (x, y)), (b, (y, x))):
+        for inp in order:
+            cache.serve(inp, [7, 8])
+    assert a.tree_kv == b.tree_kv and a.tree_states == b.tree_states and a.clock == b.clock
+    assert not a.same_contents(b) and a.same_contents(a.copy())
+    z = list(range(2001, 2301))  # makes room for itself: the least recent prefix goes
+    assert a.serve(z, [9, 9]).hit_tokens == b.serve(z, [9, 9]).hit_tokens
+    assert a.serve(x + [5], [1, 1]).hit_tokens != b.serve(x + [5], [1, 1]).hit_tokens
+
+    c = model(kv=100_000, slots=4, choice=LRU, probation=False)  # 3 states fit beside a running request
+    for inp in (x, y):
+        c.serve(inp, [7, 8])  # a state at the end of each: inp + [7]
+    d, e = c.copy(), c.copy()
+    for cache, order in ((d, (x, y)), (e, (y, x))):  # the states reused again, in two orders
+        for inp in order:
+            cache._state_used(cache.tree.walk(np.asarray(inp + [7], dtype=np.int64)).path[-1])
+    assert d.clock == e.clock and not d.same_contents(e)
+    for cache in (d, e):  # the pool fills, then the least recently used state goes
+        for start in (3001, 4001, 5001):
+            cache.serve(list(range(start, start + 100)), [1, 1])
+    assert d.serve(x + [7, 5], [1, 1]).hit_tokens != e.serve(x + [7, 5], [1, 1]).hit_tokens
+
+
+@pytest.mark.parametrize("strategy", [NO_BUFFER, EXTRA_BUFFER])
+@pytest.mark.parametrize("choice", [LRU, 0.0, 1.0, "seglen:100", "depth:1"])
+def test_victims_are_those_the_candidate_index_ranks_lowest(strategy, choice):
+    """The model ranks its candidates as plain lists (and by recency alone takes the oldest): the
+    same evictions, in order, as a `CandidateIndex` holding every candidate (numpy columns, the
+    index the policy core's caches keep)."""
+    from sglang_marconi.policy.tree.candidate_index import CandidateIndex
+
+    class Indexed(ServedCache):
+        _ranks_recency_alone = False
+
+        def _lowest_of(self, nodes, recency, values):
+            index = CandidateIndex(tie_key=CandidateIndex.node_id)
+            for node, stamp, value in zip(nodes, recency, values):
+                index.add(node, stamp, value)
+            return self.depth_rule.choose(index) if self.depth_rule is not None else index.lowest(self.weight)
+
+    pools = ServedPools(3000, 8, strategy, 128)
+    direct, indexed = (cls(PROFILE, pools, choice, record=True) for cls in (ServedCache, Indexed))
+    for r in generate("lmsys", sessions=8, scale=0.1, seed=3):
+        assert direct.serve(r.input_tokens, r.output_tokens) == indexed.serve(r.input_tokens, r.output_tokens)
+    assert len(direct.events) > 50 and direct.events == indexed.events
+
+
+def test_stamps_one_offset_apart_means_exactly():
+    """SGLang stamps a match's ancestors a hundred-thousandth older per level, so stamps are not
+    integers: a rounded difference can equal the clocks' offset when the exact one does not."""
+    from sglang_marconi.policy.tree.core import exactly_offset
+
+    ours, theirs, offset = [2.0**20, 7.5], [1 + 2.0**-40, 7.5 - (2.0**20 - 1)], 2.0**20 - 1
+    assert ours[0] - theirs[0] == offset  # rounded
+    assert not exactly_offset(ours, theirs, offset)
+    assert exactly_offset([2.0**20, 7.5], [1.0, 7.5 - (2.0**20 - 1)], offset)
+    assert exactly_offset([], [], 3.0) and not exactly_offset([5.0], [1.0], 3.0)
+
+
+@pytest.mark.parametrize("strategy,kv,slots,merges", [(NO_BUFFER, 20_000, 16, True), (EXTRA_BUFFER, 60_000, 32, False)])
+def test_the_served_stand_in_is_the_live_cache_state_for_state_at_rate_one(strategy, kv, slots, merges):
+    """Over the model of SGLang's cache the tuner follows the live cache's choices with a stand-in,
+    or, once merged, with the current choice's shadow: at rate 1 it holds what the live cache
+    holds after every request (`same_contents`), hit for hit, before and after the merge. (In the
+    extra_buffer cell SegLen keeps what the LRU-shaped contents held: the stand-in never merges.)"""
+    from sglang_marconi.policy.tuning.shadow_tuner import live_record_for
+    from sglang_marconi.sim.traces import load_workload
+
+    pools = ServedPools(kv, slots, strategy, 128)
+    tuner = ShadowTuner(PROFILE, 1, ShadowConfig(), probation=True, served=pools)
+    live = ServedCache(PROFILE, pools, tuner.current, probation=True)
+    live.continuation = live_record_for(tuner.choices)
+    compared = merged = 0
+    for r in load_workload("synthetic:lmsys"):
+        out = r.output_tokens
+        hit = live.serve_kept(np.concatenate((r.input_tokens, out[:-1])), len(r.input_tokens)).hit_tokens
+        if (choice := tuner.observe(r.session_id, r.input_tokens, out[:-1])) is not None:
+            live.set_choice(choice)
+        if tuner.live is None or tuner.live.since is None:
+            continue  # not switched yet
+        stand_in = tuner.live.cache
+        if stand_in is None:
+            stand_in, merged = tuner.shadows[tuner.choices.index(tuner.current)], merged + 1
+        elif choice is None:
+            assert tuner.live.last_hit == hit
+        assert stand_in.cache.same_contents(live), compared
+        compared += 1
+    assert len(tuner.log.decisions) >= 2 and compared > 500 and (0 < merged < compared if merges else not merged)
+
+
 @pytest.mark.parametrize("strategy", [NO_BUFFER, EXTRA_BUFFER])
 def test_served_shadows_are_the_model(strategy):
     """The tuner given the served pools (sample rate 1): each choice's shadow hits exactly what the

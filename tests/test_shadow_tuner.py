@@ -16,7 +16,6 @@ from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.tuning.shadow_tuner import (
     LRU, Evidence, ShadowConfig, ShadowTuner, adopt_choice, choice_label, eviction_for, parse_alpha_grid,
 )
-from sglang_marconi.policy.tree.shadow_cache import same_contents
 
 
 @pytest.mark.parametrize("capacity", [700, 2_000])
@@ -347,7 +346,7 @@ def test_the_live_stand_in_is_the_live_cache_state_for_state_at_rate_one(toy):
 
 @pytest.mark.parametrize("choice", ["lru", 1.0, 20.0, "seglen:100", "depth:1"])
 def test_caches_found_to_hold_the_same_contents_go_on_alike(toy, choice):
-    """`same_contents`, the stand-in's merge test, is sound: two caches with different pasts that
+    """`TreeCore.same_contents`, the stand-in's merge test, is sound: two caches with different pasts that
     it finds alike hit alike on every later request, and stay alike. Conversations that extend
     their last sequence, restart now and then and end; the depth rule reads one record, as in the
     tuner. (A test of counts alone fails here in 18-47 of the 60 runs.)"""
@@ -391,8 +390,8 @@ def test_caches_found_to_hold_the_same_contents_go_on_alike(toy, choice):
             hits = serve(a, inp, out), serve(b, inp, out)
             record.finish(np.concatenate((inp, out)), len(inp) + len(out))
             if alike:
-                assert hits[0] == hits[1] and same_contents(a, b), seed
-            elif same_contents(a, b):
+                assert hits[0] == hits[1] and a.same_contents(b), seed
+            elif a.same_contents(b):
                 alike, found = True, found + 1
     assert found >= 20  # the pasts did converge in many runs: the claim was put to the test
 

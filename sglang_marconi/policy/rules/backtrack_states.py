@@ -131,6 +131,10 @@ class BacktrackMarks:
         if len(self._nodes) > 2 * len(probation) + 64:  # drop marks that no longer count
             self._nodes = {i: n for i, n in self._nodes.items() if n in probation}
 
+    def nodes(self):
+        """The nodes marked (some may no longer be on probation)."""
+        return self._nodes.values()
+
     def bars(self, node, state_end: int, kv_match: int, step: int | None, probation) -> bool:
         """Is `node`'s state (ending `state_end` in) a backtrack state on probation that a match
         ending at `kv_match` may not resume at (`bars_resume`)?"""

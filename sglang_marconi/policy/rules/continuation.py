@@ -199,6 +199,21 @@ class ContinuationRecord:
         must not depend on when it asks reads)."""
         return self.recorded.copy(), self.continued.copy()
 
+    def same_as(self, other: ContinuationRecord) -> bool:
+        """Whether `other` holds the same record, in the same order (what is forgotten first), so
+        that both answer alike from here on. O(sequences recorded)."""
+        if self is other:
+            return True
+        return ((self.block_tokens, self.max_sequences, self._decay, self.finished)
+                == (other.block_tokens, other.max_sequences, other._decay, other.finished)
+                and np.array_equal(self.recorded, other.recorded) and np.array_equal(self.continued, other.continued)
+                and all(map(np.array_equal, self.settled_rates, other.settled_rates))
+                and list(self._by_end.items()) == list(other._by_end.items())
+                and len(self._by_prefix) == len(other._by_prefix)
+                and all(k == j and (s.length, s.last_token, s.depth, s.continued)
+                        == (t.length, t.last_token, t.depth, t.continued)
+                        for (k, s), (j, t) in zip(self._by_prefix.items(), other._by_prefix.items())))
+
     def copy(self) -> ContinuationRecord:
         other = copy.copy(self)
         other._by_prefix = OrderedDict((k, copy.copy(v)) for k, v in self._by_prefix.items())

@@ -46,11 +46,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.rules import candidates
+from sglang_marconi.policy.rules import candidates, score
 from sglang_marconi.policy.rules.eviction import EvictionPolicy, FlopAwareEviction, LruLeafEviction, SegLenEviction
 from sglang_marconi.policy.rules.probation import ProbationRegistry, evict_oldest_probationary
 from sglang_marconi.policy.rules import value as value_rule
-from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 from sglang_marconi.policy.tree.own_code import origin, own_copies
 from sglang_marconi.policy.tree.radix_tree import PoolNode, RadixTree
 
@@ -678,6 +677,51 @@ class TreeCore:
         for node in built:
             self._refresh(node)
 
+    # -- comparing two caches --------------------------------------------------------------------
+    def same_contents(self, other) -> bool:
+        """Whether `other`, a cache of the same configuration under the same rule, holds what this
+        one holds so that, fed the same stream from here on, the two evict alike (a tuner's stand-in
+        for the live cache merges into a shadow so: `shadow_tuner._LiveStandIn`). Between requests.
+
+        The same nodes (tokens, ends, states), recency stamps exactly one offset apart, the clocks'
+        (every rule ranks recency min-max normalized or as an age: each difference of two stamps,
+        rounded once, is then the same float in both), the same order of node age (the candidate
+        indexes break exact ties by node id), the same probationary states in the same order, and
+        what a configuration adds (`_same_rest`). O(nodes)."""
+        if (self.kv_tokens, self.ssm_states) != (other.kv_tokens, other.ssm_states):
+            return False
+        ours, theirs, our_ids, their_ids = [], [], [], []
+        twin: dict = {}  # our node id -> the other's node
+        same_edge = self._same_edge
+        pending = [(self.tree.root, other.tree.root)]
+        while pending:
+            x, y = pending.pop()
+            if len(x.children) != len(y.children):
+                return False
+            for key, cx in x.children.items():
+                cy = y.children.get(key)
+                if cy is None or cx.end != cy.end or cx.has_state != cy.has_state or not same_edge(cx, cy):
+                    return False
+                ours.append(cx.last_access)
+                theirs.append(cy.last_access)
+                our_ids.append(cx.id)
+                their_ids.append(cy.id)
+                twin[cx.id] = cy
+                pending.append((cx, cy))
+        return (exactly_offset(ours, theirs, self.clock - other.clock)
+                and np.array_equal(np.argsort(our_ids), np.argsort(their_ids))
+                and same_nodes([twin[n.id] for n in self._probation], other._probation)
+                and self._same_rest(other, twin))
+
+    @staticmethod
+    def _same_edge(x, y) -> bool:
+        return np.array_equal(x.tokens, y.tokens)
+
+    def _same_rest(self, other, twin: dict) -> bool:
+        """What a configuration keeps beyond the tree that decides its evictions, the same in
+        `other` (`twin`: our node id -> the other's node)."""
+        return True
+
     # -- checking --------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if any bookkeeping disagrees with the tree."""
@@ -716,6 +760,24 @@ def _state_on(path: list, pos: int) -> bool:
     return False
 
 
+def exactly_offset(ours, theirs, offset: float) -> bool:
+    """Whether ours[i] - theirs[i] == offset exactly, as real numbers, for every i (a rounded
+    difference can equal the offset when the exact one does not: the error of each subtraction,
+    by Knuth's TwoSum, must be 0 too)."""
+    a = np.asarray(ours, dtype=float)
+    b = -np.asarray(theirs, dtype=float)
+    s = a + b
+    b_part = s - a
+    error = (a - (s - b_part)) + (b - b_part)
+    return bool(np.all(s == offset) and not np.any(error))
+
+
+def same_nodes(ours, theirs) -> bool:
+    """Whether two sequences hold the same node objects in the same order."""
+    ours, theirs = list(ours), list(theirs)
+    return len(ours) == len(theirs) and all(x is y for x, y in zip(ours, theirs))
+
+
 class TokenArrayRequests:
     """The request form of a copied-edge tree (`radix_tree.RadixTree`): a token array."""
 
@@ -730,6 +792,18 @@ class TokenArrayRequests:
 
 _STAMP_STEP = 0.00001  # a match stamps the node hit's ancestors this much older, level by level (SGLang's)
 _node_id = operator.attrgetter("id")
+
+
+def _recency_then_id(node) -> tuple:
+    return node.last_access, node.id
+
+
+def _state_recency_then_id(node) -> tuple:
+    return node.state_time, node.id
+
+
+def _no_value(node, leaf: bool) -> float:
+    return 0.0
 
 
 class PoolTree(TreeCore):
@@ -755,8 +829,13 @@ class PoolTree(TreeCore):
     - Candidates are kept as sets on every edit (the childless nodes; the stated nodes, least
       recently used first) and ranked when a victim is asked for: a value counts from the node's
       anchor (`rules/value.py`), which edits above it move. The configuration brings the value
-      (`_candidate_value(node, leaf)`) and the score's weight (`weight`); ties go to the smallest
-      node id (`CandidateIndex.lowest`). `_record(pressure, kind, node)` is told of each eviction.
+      (`_candidate_value(node, leaf)`, read only where the rule reads values: `_reads_values`) and
+      the score's weight (`weight`), scored as `CandidateIndex.lowest` scores a small index, ties
+      to the smallest node id (`_lowest_of`, which a configuration may replace); a rule that ranks
+      by recency alone (weight 0) takes the oldest candidate. `_record(pressure, kind, node)` is
+      told of each eviction.
+    - `same_contents` also compares what lies outside the tree: nothing held, and the states'
+      own recency order and stamps.
     """
 
     _compressed = False
@@ -973,32 +1052,64 @@ class PoolTree(TreeCore):
 
     def _kv_victim(self):
         """The lowest-scoring unlocked leaf (a stateless one is worth nothing), or None."""
-        index = CandidateIndex(tie_key=CandidateIndex.node_id)
-        value = self._candidate_value
-        for node in sorted((n for n in self._childless.values() if not n.lock_count and not n.state_lock),
-                           key=_node_id):
-            index.add(node, node.last_access, value(node, True) if node.has_state else 0.0)
-        return self._lowest(index) if len(index) else None
+        unlocked = [n for n in self._childless.values() if not n.lock_count and not n.state_lock]
+        if not unlocked:
+            return None
+        if self._ranks_recency_alone:  # the oldest, exact ties to the smallest node id
+            return min(unlocked, key=_recency_then_id)
+        value = self._candidate_value if self._reads_values else _no_value
+        return self._lowest_of(unlocked, [n.last_access for n in unlocked],
+                               [value(n, True) if n.has_state else 0.0 for n in unlocked])
 
     def _state_victim(self):
         """The lowest-scoring state candidate, ranked by its state's recency, or None."""
-        index = CandidateIndex(tie_key=CandidateIndex.node_id)
-        value = self._candidate_value
-        for node in sorted(self._state_recency.values(), key=_node_id):
-            leaf = self._is_evictable_leaf(node)
-            if candidates.state_candidate(node.state_lock, leaf, len(node.children)):
-                index.add(node, node.state_time, value(node, leaf))
-        return self._lowest(index) if len(index) else None
+        is_leaf, state_candidate = self._is_evictable_leaf, candidates.state_candidate
+        found, leaves = [], []
+        for node in self._state_recency.values():
+            leaf = is_leaf(node)
+            if state_candidate(node.state_lock, leaf, len(node.children)):
+                found.append(node)
+                leaves.append(leaf)
+        if not found:
+            return None
+        if self._ranks_recency_alone:
+            return min(found, key=_state_recency_then_id)
+        value = self._candidate_value if self._reads_values else _no_value
+        return self._lowest_of(found, [n.state_time for n in found], list(map(value, found, leaves)))
 
-    def _lowest(self, index):
-        """The victim among a non-empty candidate index (a configuration may rank by another rule)."""
-        return index.lowest(self.weight)
+    def _lowest_of(self, nodes: list, recency: list, values: list):
+        """The victim among candidates given as parallel lists: the lowest weighted score
+        (`rules/score.py`, scored as `CandidateIndex.lowest` scores them), exact ties to the
+        smallest node id. A configuration may rank by another rule."""
+        scores = score.score_each(score.scale(min(recency), max(recency), min(values), max(values), self.weight),
+                                  recency, values)
+        return nodes[score.lowest_slot(scores, lambda slots: min(slots, key=lambda i: nodes[i].id))]
+
+    @property
+    def _ranks_recency_alone(self) -> bool:
+        """Whether the rule in force ranks candidates by recency alone (the oldest goes, exact ties
+        to the smallest node id): a weight of 0, and no other rule in `_lowest_of`."""
+        return not self.weight
+
+    # Whether the rule in force reads the candidates' values (`_candidate_value`); else they are 0.
+    _reads_values = True
 
     def _least_recent_unlocked_state(self):
         for node in self._state_recency.values():
             if not node.state_lock:
                 return node
         return None
+
+    # -- comparing two caches --------------------------------------------------------------------
+    def _same_rest(self, other, twin: dict) -> bool:
+        """Nothing held outside the tree, and the states ranked by their own recency in the same
+        order, their stamps the same offset apart as the nodes' (`same_contents`)."""
+        if self.held_kv or self.held_states or other.held_kv or other.held_states:
+            return False
+        ours = list(self._state_recency.values())
+        return (same_nodes([twin[n.id] for n in ours], other._state_recency.values())
+                and exactly_offset([n.state_time for n in ours],
+                                   [n.state_time for n in other._state_recency.values()], self.clock - other.clock))
 
     # -- checking --------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -30,7 +30,7 @@ two Mamba strategies' tracking and admission, probation) and the value candidate
   SGLang's LRU: the oldest leaf, and under Mamba pressure the least recently used unlocked state on
   any node. Values (`policy/rules/value.py`): FLOPs saved back to the node's anchor (the nearest
   ancestor that holds a state, has several children or is the root) per byte freed; SegLen: that
-  replay length. `CandidateIndex.lowest` ranks them (`policy/rules/score.py`), as in the server.
+  replay length. They are ranked as `CandidateIndex.lowest` ranks them (`policy/rules/score.py`), as in the server.
 - Admission (`serving/admission.py`, the rules in `policy/rules/branch_grid.py`): the branch state where
   two-pass prefill ends a chunk (no_buffer) or where extra_buffer snapshots it, the final state
   (extra_buffer: the last tracked one, the insert truncated there), and with probation the state at
@@ -61,6 +61,7 @@ from sglang_marconi.policy.rules.continuation import ContinuationRecord
 from sglang_marconi.policy.rules.eviction.depth import depth_rule_of
 from sglang_marconi.policy.tree.core import PoolTree
 from sglang_marconi.policy.tree.radix_tree import PoolNode, as_token_array
+from sglang_marconi.policy.tree.small_candidates import SmallCandidateIndex
 
 NO_BUFFER, EXTRA_BUFFER = "no_buffer", "extra_buffer"
 STRATEGIES = (NO_BUFFER, EXTRA_BUFFER)
@@ -207,12 +208,23 @@ class ServedCache(PoolTree):
         self.lru_states = self.kind == LRU
         self.choice = choice
 
-    def _lowest(self, index):
-        """The victim among `index`'s candidates: the depth rule's (`eviction/depth.py`), else the
+    def _lowest_of(self, nodes: list, recency: list, values: list):
+        """The victim among the candidates: the depth rule's (`eviction/depth.py`), else the
         weighted score's."""
-        if self.depth_rule is not None:
-            return self.depth_rule.choose(index)
-        return super()._lowest(index)
+        if self.depth_rule is None:
+            return super()._lowest_of(nodes, recency, values)
+        index = SmallCandidateIndex(tie_key=SmallCandidateIndex.node_id)
+        for node, stamp in zip(nodes, recency):
+            index.add(node, stamp, 0.0)
+        return self.depth_rule.choose(index)
+
+    @property
+    def _ranks_recency_alone(self) -> bool:
+        return self.depth_rule is None and not self.weight
+
+    @property
+    def _reads_values(self) -> bool:
+        return self.depth_rule is None  # the depth rule ranks by recency and the record
 
     def _candidate_value(self, node, leaf: bool) -> float:
         """FLOPs saved back to the node's anchor per byte freed (`policy/rules/value.py`), or with
@@ -492,6 +504,17 @@ class ServedCache(PoolTree):
         if choice is not None:
             clone.set_choice(choice)
         return clone
+
+    def _same_rest(self, other: ServedCache, twin: dict) -> bool:
+        """`same_contents` of two models of SGLang's cache: beyond the tree, the same pools and
+        choice, the same backtrack states on probation, and, under a depth choice, the same record."""
+        if self.pools != other.pools or self.choice != other.choice or not super()._same_rest(other, twin):
+            return False
+        probation = self._probation
+        marked = {twin[n.id].id for n in self.backtrack_marks.nodes() if n in probation}
+        if marked != {n.id for n in other.backtrack_marks.nodes() if n in other._probation}:
+            return False
+        return self.depth_rule is None or self.continuation.same_as(other.continuation)
 
     def states_on_path(self, tokens) -> list[int]:
         """Depths along `tokens` where this cache holds a state (diagnosis)."""

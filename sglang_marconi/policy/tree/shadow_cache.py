@@ -243,6 +243,11 @@ class ShadowCache(TreeCore):
         walk = walked[1] if walked is not None and walked[0] is match else self._walk(match, n)
         return self._admit(match, n, walk, checkpoint_at, probation_at)
 
+    @staticmethod
+    def _same_edge(x: ShadowNode, y: ShadowNode) -> bool:
+        """`same_contents`' edge test: the same span of one source needs no token compared."""
+        return (x.src is y.src and x.start == y.start) or np.array_equal(x.src[x.start:x.end], y.src[y.start:y.end])
+
     # -- snapshots -------------------------------------------------------------------------------
     @classmethod
     def from_snapshot(cls, profile, snap: TreeSnapshot, eviction: EvictionPolicy, *, flops: FlopsTable | None = None):
@@ -251,34 +256,3 @@ class ShadowCache(TreeCore):
                     flops=flops)
         cache._load_snapshot(snap)
         return cache
-
-
-def same_contents(a: ShadowCache, b: ShadowCache) -> bool:
-    """Whether two shadow caches hold the same nodes (tokens, ends, states), with recency stamps
-    that differ by one offset, their clocks' (every rule ranks recency min-max normalized or as an
-    age, both blind to an offset), and in the same order of node age (the candidate index breaks
-    exact ties by node id): from here on, fed the same stream under the same eviction, they evict
-    alike. O(nodes)."""
-    if (a.kv_tokens, a.ssm_states) != (b.kv_tokens, b.ssm_states):
-        return False
-    stamps_a, stamps_b, ids_a, ids_b = [], [], [], []
-    pending = [(a.root, b.root)]
-    while pending:
-        x, y = pending.pop()
-        if len(x.children) != len(y.children):
-            return False
-        for key, cx in x.children.items():
-            cy = y.children.get(key)
-            if cy is None or cx.end != cy.end or cx.has_state != cy.has_state:
-                return False
-            if not (cx.src is cy.src and cx.start == cy.start) and not np.array_equal(
-                    cx.src[cx.start:cx.end], cy.src[cy.start:cy.end]):
-                return False
-            stamps_a.append(cx.last_access)
-            stamps_b.append(cy.last_access)
-            ids_a.append(cx.id)
-            ids_b.append(cy.id)
-            pending.append((cx, cy))
-    offset = a.clock - b.clock
-    return all(x - y == offset for x, y in zip(stamps_a, stamps_b)) and np.array_equal(
-        np.argsort(ids_a), np.argsort(ids_b))

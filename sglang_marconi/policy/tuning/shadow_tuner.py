@@ -87,7 +87,7 @@ from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.tree.radix_tree import as_token_array
 from sglang_marconi.policy.tuning.sampling import check_rate, session_in_sample
 from sglang_marconi.policy.tree.served_cache import ServedCache, ServedPools
-from sglang_marconi.policy.tree.shadow_cache import FlopsTable, ShadowCache, ShadowNode, same_contents
+from sglang_marconi.policy.tree.shadow_cache import FlopsTable, ShadowCache, ShadowNode
 from sglang_marconi.policy.tree.shared_match import SharedMatch
 
 LRU = "lru"  # the choice that stands for SGLang's LRU (leaves only, whole-path refresh)
@@ -754,10 +754,10 @@ class _LiveStandIn:
     that ranks by continuation often trails LRU for a while before it pays, Mooncake).
 
     Merged: once the stand-in holds what the current choice's shadow holds, node for node, with
-    recency stamps one offset apart (`same_contents`, checked every `MERGE_EVERY` sampled requests),
-    the two run alike from then on (a depth rule reads the tuner's one record), so the stand-in is dropped and the shadows' own guard stands for it; the
-    next switch forks it again from that shadow. Most adoptions end so: a cost of one cache for a
-    while, not for the rest of the stream."""
+    recency stamps one offset apart (`TreeCore.same_contents`, checked every `MERGE_EVERY` sampled
+    requests), the two run alike from then on, so the stand-in is dropped and the shadows' own guard
+    stands for it; the next switch forks it again from that shadow. Most adoptions end so: a cost of
+    one cache for a while, not for the rest of the stream."""
 
     MERGE_EVERY = 64
 
@@ -768,8 +768,6 @@ class _LiveStandIn:
         self.short: Evidence | None = None
         self.last_hit = 0  # its hit on the last sampled request
         self._served = 0
-        # Merging compares policy-core trees (the served model keeps no comparable order of recency)
-        self._merges = tuner.served is None and not tuner.probation
 
     def switch(self, left: int, choice: Choice) -> None:
         """The live cache leaves choice index `left` for `choice`."""
@@ -777,11 +775,16 @@ class _LiveStandIn:
         if self.cache is None:
             if tuner.shadows[left] is None:  # a choice the verifier adopted before it stepped aside, since dropped
                 left = 0
-            self.cache = restore_shadow(tuner.profile, tuner.shadows[left].snapshot(),
-                                        eviction_for(tuner.choices[left], tuner.record), flops=tuner.flops,
-                                        record=tuner._safe_record())
+            if tuner.served is not None:  # a copy keeps a record where its choice reads one (`served_copy`)
+                self.cache = ServedShadow(served_copy(tuner.shadows[left].cache, choice, tuner._safe_record()))
+            else:
+                self.cache = restore_shadow(tuner.profile, tuner.shadows[left].snapshot(),
+                                            eviction_for(tuner.choices[left], tuner.record), flops=tuner.flops)
         if isinstance(self.cache, ServedShadow):
-            self.cache.cache.set_choice(choice)
+            model = self.cache.cache
+            if model.continuation is None and is_depth_choice(choice):  # the stream's record, not an empty one
+                model.continuation = tuner._safe_record().copy()
+            model.set_choice(choice)
         else:
             self.cache.set_eviction(eviction_for(choice, tuner.record))
         self.since = GuardSums(1)
@@ -799,9 +802,9 @@ class _LiveStandIn:
             self.since.add(key, gains, whole)
             self.short.add(key, gains, whole)
         self._served += 1
-        if self._merges and self._served % self.MERGE_EVERY == 0:
+        if self._served % self.MERGE_EVERY == 0:
             shadow = tuner.shadows[tuner.choices.index(tuner.current)]
-            if shadow is not None and same_contents(cache, shadow):
+            if shadow is not None and cache.same_contents(shadow):
                 self.cache = None
 
     def trails_safe(self) -> bool:
@@ -919,6 +922,9 @@ class ServedShadow:
 
     def snapshot_as(self, eviction: EvictionPolicy) -> ServedCache:
         return self.cache
+
+    def same_contents(self, other: ServedShadow) -> bool:
+        return self.cache.same_contents(other.cache)
 
     def check_invariants(self) -> None:
         self.cache.check_invariants()

@@ -30,7 +30,8 @@ two Mamba strategies' tracking and admission, probation) and the value candidate
   SGLang's LRU: the oldest leaf, and under Mamba pressure the least recently used unlocked state on
   any node. Values (`policy/rules/value.py`): FLOPs saved back to the node's anchor (the nearest
   ancestor that holds a state, has several children or is the root) per byte freed; SegLen: that
-  replay length. They are ranked as `CandidateIndex.lowest` ranks them (`policy/rules/score.py`), as in the server.
+  replay length. They are ranked as `CandidateIndex.lowest` ranks them (`policy/rules/score.py`), as
+  in the server.
 - Admission (`serving/admission.py`, the rules in `policy/rules/branch_grid.py`): the branch state where
   two-pass prefill ends a chunk (no_buffer) or where extra_buffer snapshots it, the final state
   (extra_buffer: the last tracked one, the insert truncated there), and with probation the state at

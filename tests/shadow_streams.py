@@ -122,3 +122,19 @@ def agent_sessions(n, sessions=20, seed=0):
         out = rng.integers(0, 10**5, int(rng.integers(1, 30)))
         history[s] = np.concatenate((inp, out))
         yield f"agent{s}-{starts}", inp, out
+
+
+def extending_sessions(rng):
+    """Requests (input, output) of six conversations that extend their last sequence, restart now
+    and then, and end past 120 tokens; drawn from `rng` one request at a time."""
+    sessions = {}
+    while True:
+        k = int(rng.integers(6))
+        if k not in sessions or rng.random() < 0.15:
+            sessions[k] = rng.integers(0, 1000, 15)
+        inp = np.concatenate((sessions[k], rng.integers(0, 1000, int(rng.integers(1, 8)))))
+        out = rng.integers(0, 1000, 3)
+        sessions[k] = np.concatenate((inp, out))
+        if len(sessions[k]) > 120:
+            del sessions[k]
+        yield inp.astype(np.int64), out.astype(np.int64)

@@ -5,6 +5,7 @@ compares it with SGLang request by request.)"""
 
 import numpy as np
 import pytest
+from shadow_streams import extending_sessions
 
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.cost.model_profile import load_profile
@@ -94,21 +95,6 @@ def test_a_copy_is_independent():
     assert len(hits) > 0
 
 
-def _session_requests(rng):
-    """Conversations that extend their last sequence, restart now and then and end."""
-    sessions = {}
-    while True:
-        k = int(rng.integers(6))
-        if k not in sessions or rng.random() < 0.15:
-            sessions[k] = rng.integers(0, 1000, 15)
-        inp = np.concatenate((sessions[k], rng.integers(0, 1000, int(rng.integers(1, 8)))))
-        out = rng.integers(0, 1000, 3)
-        sessions[k] = np.concatenate((inp, out))
-        if len(sessions[k]) > 120:
-            del sessions[k]
-        yield inp.astype(np.int64), out.astype(np.int64)
-
-
 @pytest.mark.parametrize("strategy", [NO_BUFFER, EXTRA_BUFFER])
 @pytest.mark.parametrize("choice", [LRU, 1.0, 20.0, "seglen:100", "depth:1"])
 def test_served_caches_found_to_hold_the_same_contents_go_on_alike(strategy, choice):
@@ -128,7 +114,7 @@ def test_served_caches_found_to_hold_the_same_contents_go_on_alike(strategy, cho
         a, b = ServedCache(PROFILE, pools, choice), ServedCache(PROFILE, pools, 1.0 if choice == LRU else LRU)
         if b.continuation is None:  # a tuner's served shadows keep the stream's record from the start
             b.continuation = ContinuationRecord()
-        requests = _session_requests(rng)
+        requests = extending_sessions(rng)
         switch_at, alike = int(rng.integers(5, 40)), False
         for i in range(200):
             if i == switch_at:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shadow_streams import contended_requests, conversations, misleading_sample, revisits, shift_to_recency
+from shadow_streams import (contended_requests, conversations, extending_sessions, misleading_sample, revisits,
+                            shift_to_recency)
 from toy_profile import ToyProfile
 
 from sglang_marconi.policy.errors import MarconiError
@@ -359,18 +360,7 @@ def test_caches_found_to_hold_the_same_contents_go_on_alike(toy, choice):
         rng = np.random.default_rng(seed)
         record = ContinuationRecord()
         a, b = (ShadowCache(toy, 300, eviction_for(choice, record)) for _ in range(2))
-        sessions = {}
-
-        def request():
-            k = int(rng.integers(6))
-            if k not in sessions or rng.random() < 0.15:
-                sessions[k] = rng.integers(0, 1000, 15)
-            inp = np.concatenate((sessions[k], rng.integers(0, 1000, int(rng.integers(1, 8)))))
-            out = rng.integers(0, 1000, 3)
-            sessions[k] = np.concatenate((inp, out))
-            if len(sessions[k]) > 120:
-                del sessions[k]
-            return inp.astype(np.int64), out.astype(np.int64)
+        requests = extending_sessions(rng)
 
         def serve(cache, inp, out):
             seq = np.concatenate((inp, out))
@@ -381,12 +371,12 @@ def test_caches_found_to_hold_the_same_contents_go_on_alike(toy, choice):
 
         for cache in (a, b):  # different pasts
             for _ in range(int(rng.integers(0, 15))):
-                inp, out = request()
+                inp, out = next(requests)
                 serve(cache, inp, out)
                 record.finish(np.concatenate((inp, out)), len(inp) + len(out))
         alike = False
         for _ in range(150):
-            inp, out = request()
+            inp, out = next(requests)
             hits = serve(a, inp, out), serve(b, inp, out)
             record.finish(np.concatenate((inp, out)), len(inp) + len(out))
             if alike:

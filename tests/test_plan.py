@@ -122,7 +122,7 @@ def test_nothing_to_gain_when_the_trace_has_little_reuse(tmp_path):
 
 
 def test_nothing_to_gain_when_every_splits_lru_equals_marconi(tmp_path):
-    data, _ = plan(tmp_path, ["--workload", "synthetic:lmsys:sessions=6"], "2GB", "--mamba-shares", "0.6")
+    data, _ = plan(tmp_path, ["--workload", "synthetic:lmsys:sessions=6"], "1GB", "--mamba-shares", "0.6")
     served = {(r["strategy"], r["policy"]): r for r in data["rows"] if r["model"] == "served"}
     for strategy in grid.STRATEGIES:
         assert served[strategy, "lru"]["hit_tokens"] == served[strategy, "marconi"]["hit_tokens"]

@@ -11,9 +11,7 @@ marked continued, once; per depth the record keeps decayed counts of sequences r
 those continued (`rates`), which a self-calibrating rule reads.
 
 Candidates of an eviction are looked up by their end (`depth_at(end, last_token)`): the depth of
-the recorded sequence that ends exactly there and has not been continued yet, 0 if none (an evicted
-record, a branch point, or a sequence whose next turn already came: the conversation moved on, and
-the state at its old end serves only a branch back to it).
+the recorded sequence that ends exactly there, 0 if none (an evicted record, a branch point).
 
 Bounds: at most `max_sequences` records, the least recently recorded or extended dropped first
 (`BYTES_PER_SEQUENCE` each, measured in `tests/test_continuation.py`). Per finished sequence:
@@ -163,7 +161,6 @@ class ContinuationRecord:
             if not parent.continued:
                 parent.continued = True
                 self.continued[min(parent.depth, MAX_DEPTH)] += 1.0
-                self._forget_end(parent)  # its next turn came: its end awaits no other
         self.recorded *= self._decay
         self.continued *= self._decay
         self.recorded[min(depth, MAX_DEPTH)] += 1.0
@@ -193,8 +190,7 @@ class ContinuationRecord:
             del self._by_end[end]
 
     def depth_at(self, end: int, last_token: int) -> int:
-        """The depth of the recorded sequence ending at `end` with `last_token`, not continued yet;
-        0 if none."""
+        """The depth of the recorded sequence ending at `end` with `last_token`; 0 if none."""
         return self._by_end.get((end, last_token), 0)
 
     def rates(self) -> tuple[np.ndarray, np.ndarray]:

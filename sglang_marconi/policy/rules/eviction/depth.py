@@ -3,8 +3,8 @@
 On conversation traffic most reuse is a next turn extending its previous turn's whole sequence,
 and a sequence deep in a conversation (one that extends earlier turns) is more likely to be
 continued than a first turn. A candidate's depth is that of the finished sequence ending exactly
-at it and not continued yet (`policy/rules/continuation.py`: a bounded record keyed by hashes of
-token blocks, no session id), 0 for none (a sequence already continued waits for no next turn); its age is how far its recency lies behind the most recent candidate's,
+at it (`policy/rules/continuation.py`: a bounded record keyed by hashes of token blocks, no
+session id), 0 for none; its age is how far its recency lies behind the most recent candidate's,
 plus one tick. B = 0 is LRU over the same candidates (Marconi's: unlocked nodes with at most one
 child; a hit refreshes only the node hit).
 

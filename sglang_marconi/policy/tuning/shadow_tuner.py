@@ -781,9 +781,9 @@ class _LiveStandIn:
                 self.cache = restore_shadow(tuner.profile, tuner.shadows[left].snapshot(),
                                             eviction_for(tuner.choices[left], tuner.record), flops=tuner.flops)
         if isinstance(self.cache, ServedShadow):
-            model = self.cache.cache
-            if model.continuation is None and is_depth_choice(choice):  # the stream's record, not an empty one
-                model.continuation = tuner._safe_record().copy()
+            model, record = self.cache.cache, tuner._safe_record()
+            if model.continuation is None and record is not None and is_depth_choice(choice):
+                model.continuation = record.copy()  # the stream's record, not an empty one
             model.set_choice(choice)
         else:
             self.cache.set_eviction(eviction_for(choice, tuner.record))

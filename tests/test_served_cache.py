@@ -193,6 +193,24 @@ def test_stamps_one_offset_apart_means_exactly():
     assert exactly_offset([], [], 3.0) and not exactly_offset([5.0], [1.0], 3.0)
 
 
+def test_a_served_stand_in_switching_to_a_depth_choice_reads_the_streams_record():
+    """Forked from a shadow that keeps no record (SegLen's), a stand-in that switches to a depth
+    choice reads a copy of the stream's record (the safe choice's), as the live cache does, not an
+    empty one."""
+    from sglang_marconi.policy.tuning.shadow_tuner import served_config
+
+    tuner = ShadowTuner(PROFILE, 1, served_config(ShadowConfig(prune_after=0)), probation=True,
+                        served=ServedPools(3000, 8, NO_BUFFER, 128))
+    for r in generate("lmsys", sessions=8, scale=0.1, seed=1):
+        tuner.observe(r.session_id, r.input_tokens, r.output_tokens[:-1])
+    seglen = tuner.choices.index("seglen:100")
+    assert tuner.shadows[seglen].cache.continuation is None and "depth:4" in tuner.choices
+    tuner.live.cache = None  # not forked (or merged): the switch forks it from SegLen's shadow
+    tuner.live.switch(seglen, "depth:4")
+    record, stream = tuner.live.cache.cache.continuation, tuner._safe_record()
+    assert stream.finished > 50 and record is not stream and record.same_as(stream)
+
+
 @pytest.mark.parametrize("strategy,kv,slots,merges", [(NO_BUFFER, 20_000, 16, True), (EXTRA_BUFFER, 60_000, 32, False)])
 def test_the_served_stand_in_is_the_live_cache_state_for_state_at_rate_one(strategy, kv, slots, merges):
     """Over the model of SGLang's cache the tuner follows the live cache's choices with a stand-in,

@@ -229,9 +229,7 @@ class ServedCache(PoolTree):
 
     def _candidate_value(self, node, leaf: bool) -> float:
         """FLOPs saved back to the node's anchor per byte freed (`policy/rules/value.py`), or with
-        SegLen that replay length; the depth rule reads none."""
-        if self.kind == "depth":
-            return 0.0
+        SegLen that replay length (the depth rule reads none: `_reads_values`)."""
         start, end = value_rule.anchor_end(node, self.tree.root, _holds_state, _end_of), node.end
         if self.kind == "seglen":
             return float(end - start)

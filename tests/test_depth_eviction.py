@@ -3,6 +3,7 @@ rule where depth must decide the victim, the self-calibrating variant's fallback
 tuner running both as choices."""
 
 import inspect
+import math
 import tracemalloc
 
 import numpy as np
@@ -10,7 +11,8 @@ import pytest
 from toy_profile import ToyProfile
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.rules.continuation import BYTES_PER_SEQUENCE, ContinuationRecord, prefix_hashes
+from sglang_marconi.policy.rules.continuation import (BYTES_PER_SEQUENCE, GAP_BINS, HORIZON_MIN_GAPS,
+                                                      ContinuationRecord, gap_bin, horizon_of, prefix_hashes)
 from sglang_marconi.policy.rules.eviction import CalibratedDepthEviction, DepthEviction, FlopAwareEviction
 from sglang_marconi.policy.rules.eviction.depth import fitted_exponent
 from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
@@ -84,6 +86,63 @@ def test_bytes_per_finished_sequence_within_the_stated_bound():
     assert used / (len(sequences) - 1) <= BYTES_PER_SEQUENCE
 
 
+def _continued_after(record, rng, gap, conversations):
+    """`conversations` two-turn conversations over the prompt: each first turn is continued once
+    `gap` first turns have opened after it (their continuations in between); returns the last
+    conversation's second turn."""
+    opened = []
+    for _ in range(conversations + gap):
+        if len(opened) >= gap:
+            first = opened.pop(0)
+            second = turn(first, rng, 6)
+            record.finish(second)
+        fresh = turn(PROMPT, rng, 12)
+        record.finish(fresh)
+        opened.append(fresh)
+    return second
+
+
+def test_a_depth_expires_once_it_is_older_than_the_continuation_horizon():
+    """Continuations that all come `gap` sequences later set the horizon just above `gap` (the upper
+    edge of its half-octave bin); a deep end recorded longer ago than that reads depth 0."""
+    rng = np.random.default_rng(5)
+    record = ContinuationRecord(block_tokens=4)
+    assert math.isinf(record.horizon)
+    last = _continued_after(record, rng, 12, 300)
+    # once 12 first turns are open, 22 sequences finish between a first turn and its continuation
+    # (11 later first turns and 11 continuations of earlier ones); the first few waited less
+    steady = 22
+    assert record.gaps.argmax() == gap_bin(steady) and record.gaps[gap_bin(steady)] > 0.95 * record.gaps.sum()
+    assert steady < record.horizon <= steady * math.sqrt(2)
+    end = (len(last), int(last[-1]))
+    assert record.depth_at(*end) == 1
+    for _ in range(int(record.horizon) + 1):  # one-off sequences only: the conversation is abandoned
+        record.finish(turn(PROMPT, rng, 12))
+    assert record.depth_at(*end) == 0
+    never = ContinuationRecord(block_tokens=4, horizon_quantile=None)
+    last = _continued_after(never, np.random.default_rng(5), 12, 300)
+    for _ in range(10 * steady):
+        never.finish(turn(PROMPT, rng, 12))
+    assert math.isinf(never.horizon) and never.depth_at(len(last), int(last[-1])) == 1
+
+
+def test_the_horizon_waits_for_enough_continuations():
+    record = ContinuationRecord(block_tokens=4)
+    rng = np.random.default_rng(6)
+    last = _continued_after(record, rng, 4, int(HORIZON_MIN_GAPS) - 10)
+    for _ in range(200):
+        record.finish(turn(PROMPT, rng, 12))
+    assert math.isinf(record.horizon) and record.depth_at(len(last), int(last[-1])) == 1
+
+
+def test_the_horizon_is_the_quantile_of_the_gaps():
+    gaps = np.zeros(GAP_BINS)
+    gaps[[gap_bin(10), gap_bin(100)]] = (90.0, 10.0)
+    assert horizon_of(gaps, 0.9) == 2.0 ** ((gap_bin(10) + 1) / 2) and 10 < horizon_of(gaps, 0.9) <= 10 * math.sqrt(2)
+    assert horizon_of(gaps, 0.95) == 2.0 ** ((gap_bin(100) + 1) / 2)
+    assert math.isinf(horizon_of(gaps, None)) and math.isinf(horizon_of(gaps / 10, 0.9))
+
+
 def test_prefix_hashes_are_fixed_across_processes():
     """The hash is part of the rule (every rank and the simulator must find the same records)."""
     assert prefix_hashes(np.arange(12), 4).tolist() == [14916341659735094647, 17350910336749559723,
@@ -93,6 +152,8 @@ def test_prefix_hashes_are_fixed_across_processes():
 def test_bad_parameters_are_named():
     with pytest.raises(MarconiError, match="block_tokens"):
         ContinuationRecord(block_tokens=0)
+    with pytest.raises(MarconiError, match="horizon_quantile must be .* got 1.5"):
+        ContinuationRecord(horizon_quantile=1.5)
     with pytest.raises(MarconiError, match="depth exponent"):
         DepthEviction(-1.0)
 
@@ -272,7 +333,7 @@ def test_the_served_model_records_what_its_last_insert_kept(strategy):
         assert final < len(kept)
     second = turn(kept, rng, 40)  # its last tracked state lies past the first's
     cache.serve(second, rng.integers(0, 1000, 20))
-    assert max(cache.continuation._by_end.values()) == 1  # the next turn extends the first
+    assert max(depth for depth, _ in cache.continuation._by_end.values()) == 1  # the next turn extends the first
 
 
 def test_the_served_model_keeps_its_record_across_a_switch_of_rule():

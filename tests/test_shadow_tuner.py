@@ -15,7 +15,8 @@ from toy_profile import ToyProfile
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.tuning.shadow_tuner import (
-    LRU, Evidence, ShadowConfig, ShadowTuner, adopt_choice, choice_label, eviction_for, parse_alpha_grid,
+    LRU, Evidence, ShadowConfig, ShadowTuner, adopt_choice, choice_label, eviction_for, is_depth_choice,
+    parse_alpha_grid,
 )
 
 
@@ -317,6 +318,22 @@ def test_beaten_shadows_leave_the_race_and_come_back(toy):
     ev.add("a", np.array([1.0, 2.0, 3.0]), 10.0)
     ev.copy_arm(2, 0)
     assert ev.scores[0].tolist() == [3.0, 2.0, 3.0] and ev.moments[0][0, 0] == ev.moments[0][2, 2] == 9.0
+
+
+def test_depth_shadows_stay_in_the_race(toy):
+    """The depth rule's gain shows only when what it kept is continued, long after: a depth shadow
+    is never pruned, while a beaten alpha is, on a stream where the depth shadows trail early
+    (they are pruned when the exemption is removed)."""
+    config = ShadowConfig(alpha_grid=(0.0, 1.0, 5.0), seglen_weights=(1.0,), prune_after=40,
+                          revive_every=10**9).with_depth()
+    tuner = ShadowTuner(toy, 600, config)
+    depth = [v for v, choice in enumerate(tuner.choices) if is_depth_choice(choice)]
+    assert len(depth) == 3
+    dropped = set()
+    for sid, inp, out in contended_requests(600):
+        tuner.observe(sid, inp, out)
+        dropped |= {v for v, shadow in enumerate(tuner.shadows or ()) if shadow is None}
+    assert dropped and not dropped & set(depth), (dropped, tuner.choices)
 
 
 def test_the_live_stand_in_is_the_live_cache_state_for_state_at_rate_one(toy):

@@ -11,7 +11,14 @@ marked continued, once; per depth the record keeps decayed counts of sequences r
 those continued (`rates`), which a self-calibrating rule reads.
 
 Candidates of an eviction are looked up by their end (`depth_at(end, last_token)`): the depth of
-the recorded sequence that ends exactly there, 0 if none (an evicted record, a branch point).
+the recorded sequence that ends exactly there, 0 if none (an evicted record, a branch point), and 0
+once it is older than the record's continuation horizon. The horizon is the `horizon_quantile`
+(0.9 by default) of how long continuations took: per sequence first continued, the number of
+sequences finished between it and its continuation, in a decayed histogram of half-octave bins
+(`horizon`, settled with the rates). A sequence not continued within the time in which nine in ten
+continuations come is mostly abandoned, so its depth stops protecting it: protection
+(1 + depth)^B times longer than a first turn's would otherwise keep deep but dead conversations
+where the cache is ample enough to hold them that long.
 
 Bounds: at most `max_sequences` records, the least recently recorded or extended dropped first
 (`BYTES_PER_SEQUENCE` each, measured in `tests/test_continuation.py`). Per finished sequence:
@@ -30,6 +37,8 @@ from sglang_marconi.policy.errors import MarconiError
 
 MAX_DEPTH = 15  # depths above this count as this one in the per-depth rates
 SETTLE_EVERY = 64  # finished sequences between the settled copies of the rates (`settled_rates`)
+HORIZON_MIN_GAPS = 100.0  # decayed continuations needed before the horizon leaves infinity
+GAP_BINS = 128  # half-octave bins of continuation gaps (in sequences finished): up to 2**64
 # Python's memory per record (both dictionary entries and the record itself), measured on CPython
 # 3.11 (`tests/test_continuation.py` checks it stays within this).
 BYTES_PER_SEQUENCE = 400
@@ -93,17 +102,40 @@ def _weights_cached(block_tokens: int) -> np.ndarray:
     return w
 
 
-class _Sequence:
-    __slots__ = ("length", "last_token", "depth", "continued")
+def gap_bin(gap: int) -> int:
+    """The histogram bin of a continuation gap of `gap` >= 1 sequences: floor(2 log2 gap), so bin b
+    holds gaps in [2**(b / 2), 2**((b + 1) / 2))."""
+    return min(int(2.0 * math.log2(max(gap, 1))), GAP_BINS - 1)
 
-    def __init__(self, length: int, last_token: int, depth: int):
+
+def horizon_of(gaps: np.ndarray, quantile: float | None) -> float:
+    """The upper edge of the bin where the decayed gap counts reach `quantile` of their total;
+    infinity with no quantile or fewer than HORIZON_MIN_GAPS (decayed) continuations."""
+    total = float(gaps.sum())
+    if quantile is None or total < HORIZON_MIN_GAPS:
+        return math.inf
+    b = int(np.searchsorted(np.cumsum(gaps), quantile * total))
+    return 2.0 ** ((min(b, GAP_BINS - 1) + 1) / 2.0)
+
+
+class _Sequence:
+    __slots__ = ("length", "last_token", "depth", "continued", "finished_at")
+
+    def __init__(self, length: int, last_token: int, depth: int, finished_at: int):
         self.length, self.last_token, self.depth, self.continued = length, last_token, depth, False
+        self.finished_at = finished_at  # the record's `finished` count when it was recorded
 
 
 class ContinuationRecord:
     """See the module docstring. `finish(tokens)` once per finished sequence, in stream order."""
 
-    def __init__(self, block_tokens: int = 64, max_sequences: int = 1 << 16, half_life: float = 20000.0):
+    def __init__(self, block_tokens: int = 64, max_sequences: int = 1 << 16, half_life: float = 20000.0,
+                 horizon_quantile: float | None = 0.9):
+        """`horizon_quantile`: the share of continuations the horizon must cover (in (0, 1]); None:
+        depths never expire."""
+        if horizon_quantile is not None and (isinstance(horizon_quantile, bool) or not isinstance(
+                horizon_quantile, (int, float)) or not 0 < horizon_quantile <= 1):
+            raise MarconiError(f"horizon_quantile must be a number in (0, 1] or None, got {horizon_quantile!r}")
         for name, value in (("block_tokens", block_tokens), ("max_sequences", max_sequences)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MarconiError(f"{name} must be an integer >= 1, got {value!r}")
@@ -114,11 +146,14 @@ class ContinuationRecord:
         self.max_sequences = max_sequences
         self._decay = 0.5 ** (1.0 / half_life)
         self._by_prefix: OrderedDict[int, _Sequence] = OrderedDict()  # block-prefix hash -> its latest sequence
-        self._by_end: dict[tuple[int, int], int] = {}  # (length, last token) -> depth
+        self._by_end: dict[tuple[int, int], tuple[int, int]] = {}  # (length, last token) -> (depth, finished at)
         self.recorded = np.zeros(MAX_DEPTH + 1)  # decayed counts per depth
         self.continued = np.zeros(MAX_DEPTH + 1)
         self.finished = 0  # sequences recorded, ever
         self.settled_rates = (self.recorded.copy(), self.continued.copy())  # as of the last multiple of SETTLE_EVERY
+        self.horizon_quantile = horizon_quantile
+        self.gaps = np.zeros(GAP_BINS)  # decayed counts of continuation gaps, bin = floor(2 log2 gap)
+        self.horizon = math.inf  # sequences finished after which a depth expires, as of the last settlement
         self._memo = (None, None)  # (tokens object, its hashes): one sequence hashed once for all readers
 
     def __len__(self) -> int:
@@ -161,12 +196,15 @@ class ContinuationRecord:
             if not parent.continued:
                 parent.continued = True
                 self.continued[min(parent.depth, MAX_DEPTH)] += 1.0
+                self.gaps[gap_bin(self.finished - parent.finished_at)] += 1.0
         self.recorded *= self._decay
         self.continued *= self._decay
+        self.gaps *= self._decay
         self.recorded[min(depth, MAX_DEPTH)] += 1.0
         self.finished += 1
         if self.finished % SETTLE_EVERY == 0:
             self.settled_rates = (self.recorded.copy(), self.continued.copy())
+            self.horizon = horizon_of(self.gaps, self.horizon_quantile)
         last = int(tokens[n - 1])
         blocks = n // self.block_tokens
         if blocks:
@@ -174,24 +212,28 @@ class ContinuationRecord:
             old = self._by_prefix.pop(key, None)
             if old is not None:
                 self._forget_end(old)
-            self._by_prefix[key] = _Sequence(n, last, depth)
-            self._by_end[(n, last)] = depth
+            self._by_prefix[key] = _Sequence(n, last, depth, self.finished)
+            self._by_end[(n, last)] = (depth, self.finished)
             while len(self._by_prefix) > self.max_sequences:
                 self._forget_end(self._by_prefix.popitem(last=False)[1])
         else:  # shorter than a block: nothing can be found to extend it, but its end has a depth
-            self._by_end[(n, last)] = depth
+            self._by_end[(n, last)] = (depth, self.finished)
             if len(self._by_end) > 2 * self.max_sequences:
                 self._by_end.pop(next(iter(self._by_end)))
         return depth
 
     def _forget_end(self, seq: _Sequence) -> None:
         end = (seq.length, seq.last_token)
-        if self._by_end.get(end) == seq.depth:
+        if self._by_end.get(end) == (seq.depth, seq.finished_at):
             del self._by_end[end]
 
     def depth_at(self, end: int, last_token: int) -> int:
-        """The depth of the recorded sequence ending at `end` with `last_token`; 0 if none."""
-        return self._by_end.get((end, last_token), 0)
+        """The depth of the recorded sequence ending at `end` with `last_token`; 0 if none, or if it
+        was recorded more than `horizon` sequences ago."""
+        found = self._by_end.get((end, last_token))
+        if found is None or self.finished - found[1] > self.horizon:
+            return 0
+        return found[0]
 
     def rates(self) -> tuple[np.ndarray, np.ndarray]:
         """Per depth (0 .. MAX_DEPTH): decayed counts of sequences recorded and of those continued
@@ -204,21 +246,23 @@ class ContinuationRecord:
         that both answer alike from here on. O(sequences recorded)."""
         if self is other:
             return True
-        return ((self.block_tokens, self.max_sequences, self._decay, self.finished)
-                == (other.block_tokens, other.max_sequences, other._decay, other.finished)
+        return ((self.block_tokens, self.max_sequences, self._decay, self.finished, self.horizon_quantile, self.horizon)
+                == (other.block_tokens, other.max_sequences, other._decay, other.finished, other.horizon_quantile,
+                    other.horizon)
                 and np.array_equal(self.recorded, other.recorded) and np.array_equal(self.continued, other.continued)
+                and np.array_equal(self.gaps, other.gaps)
                 and all(map(np.array_equal, self.settled_rates, other.settled_rates))
                 and list(self._by_end.items()) == list(other._by_end.items())
                 and len(self._by_prefix) == len(other._by_prefix)
-                and all(k == j and (s.length, s.last_token, s.depth, s.continued)
-                        == (t.length, t.last_token, t.depth, t.continued)
+                and all(k == j and (s.length, s.last_token, s.depth, s.continued, s.finished_at)
+                        == (t.length, t.last_token, t.depth, t.continued, t.finished_at)
                         for (k, s), (j, t) in zip(self._by_prefix.items(), other._by_prefix.items())))
 
     def copy(self) -> ContinuationRecord:
         other = copy.copy(self)
         other._by_prefix = OrderedDict((k, copy.copy(v)) for k, v in self._by_prefix.items())
         other._by_end = dict(self._by_end)
-        other.recorded, other.continued = self.recorded.copy(), self.continued.copy()
+        other.recorded, other.continued, other.gaps = self.recorded.copy(), self.continued.copy(), self.gaps.copy()
         other.settled_rates = tuple(a.copy() for a in self.settled_rates)
         other._memo = (None, None)
         return other

@@ -540,10 +540,14 @@ class ShadowTuner:
     def _prune_or_revive(self, cur: int) -> int | None:
         """Racing: a shadow that trails the leader by `prune_margin` over both windows, by `z`
         clustered standard errors over the long one, `prune_after` sampled requests after the fork
-        or later, is dropped (never LRU's, the current choice's or the leader's): the shadows' cost
-        goes to the choices still in the race. Every `revive_every` sampled requests the dropped
-        ones come back, forked from the current choice's shadow with its evidence so far (as if
-        they had behaved like it until now), so that a shift in the workload can bring them back.
+        or later, is dropped (never LRU's, the current choice's or the leader's, nor a depth
+        choice's: the depth rule's gain comes from continuations hundreds of requests after what
+        it kept, so trailing over the windows before them is no evidence against it, and a shadow
+        revived from another choice's contents must rebuild what it keeps from scratch): the
+        shadows' cost goes to the choices still in the race. Every `revive_every` sampled requests
+        the dropped ones come back, forked from the current choice's shadow with its evidence so
+        far (as if they had behaved like it until now), so that a shift in the workload can bring
+        them back.
         Returns the leader (`leader()`) where it ranked them, else None."""
         c, ev = self.config, self.evidence
         since_fork = self.log.sampled - self._sampled_at_fork
@@ -565,7 +569,7 @@ class ShadowTuner:
         lead = self.leader()
         trial = self.verifier.trial_choice() if self.verifier is not None else None
         for v, shadow in enumerate(self.shadows):
-            if shadow is None or v in (0, cur, lead, trial):
+            if shadow is None or v in (0, cur, lead, trial) or is_depth_choice(self.choices[v]):
                 continue
             if ev.lead(lead, v, LONG, c.prune_margin, c.z, False) and ev.lead(lead, v, SHORT, c.prune_margin, 0.0, False):
                 self.shadows[v] = None

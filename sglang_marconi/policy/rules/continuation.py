@@ -21,7 +21,7 @@ continuations come is mostly abandoned, so its depth stops protecting it: protec
 where the cache is ample enough to hold them that long.
 
 Bounds: at most `max_sequences` records, the least recently recorded or extended dropped first
-(`BYTES_PER_SEQUENCE` each, measured in `tests/test_continuation.py`). Per finished sequence:
+(`BYTES_PER_SEQUENCE` each at most; `tests/test_depth_eviction.py` measures it). Per finished sequence:
 one vectorized pass over its tokens and one dictionary lookup per block.
 """
 

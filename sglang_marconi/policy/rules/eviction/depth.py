@@ -4,9 +4,10 @@ On conversation traffic most reuse is a next turn extending its previous turn's 
 and a sequence deep in a conversation (one that extends earlier turns) is more likely to be
 continued than a first turn. A candidate's depth is that of the finished sequence ending exactly
 at it (`policy/rules/continuation.py`: a bounded record keyed by hashes of token blocks, no
-session id), 0 for none; its age is how far its recency lies behind the most recent candidate's,
-plus one tick. B = 0 is LRU over the same candidates (Marconi's: unlocked nodes with at most one
-child; a hit refreshes only the node hit).
+session id), 0 for none, and 0 once that sequence is older than the record's continuation horizon
+(the time in which nine in ten continuations come); its age is how far its recency lies behind
+the most recent candidate's, plus one tick. B = 0 is LRU over the same candidates (Marconi's:
+unlocked nodes with at most one child; a hit refreshes only the node hit).
 
 `CalibratedDepthEviction` learns B from the record: the per-depth share of recorded sequences that
 were continued. Unless deeper sequences are continued significantly more often than first ones

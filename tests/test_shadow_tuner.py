@@ -15,8 +15,8 @@ from toy_profile import ToyProfile
 from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.tuning.shadow_tuner import (
-    LRU, Evidence, ShadowConfig, ShadowTuner, adopt_choice, choice_label, eviction_for, is_depth_choice,
-    parse_alpha_grid,
+    DEPTH_PRUNE_HORIZONS, DEPTH_PRUNE_WAIT, LRU, Evidence, ShadowConfig, ShadowTuner, adopt_choice, choice_label,
+    eviction_for, is_depth_choice, parse_alpha_grid,
 )
 
 
@@ -320,20 +320,34 @@ def test_beaten_shadows_leave_the_race_and_come_back(toy):
     assert ev.scores[0].tolist() == [3.0, 2.0, 3.0] and ev.moments[0][0, 0] == ev.moments[0][2, 2] == 9.0
 
 
-def test_depth_shadows_stay_in_the_race(toy):
-    """The depth rule's gain shows only when what it kept is continued, long after: a depth shadow
-    is never pruned, while a beaten alpha is, on a stream where the depth shadows trail early
-    (they are pruned when the exemption is removed)."""
+def test_depth_shadows_stay_in_the_race_until_their_continuations_could_show(toy):
+    """The depth rule's gain shows only when what it kept is continued: a depth shadow is pruned
+    only once the tuner has seen DEPTH_PRUNE_HORIZONS continuation horizons since the fork, or
+    DEPTH_PRUNE_WAIT requests while the record knows no horizon. Here nothing is continued: a
+    beaten alpha leaves at once, the beaten depth shadows only after the wait (without the wait
+    they leave with the alpha), and then they do leave, so the wait is bounded."""
     config = ShadowConfig(alpha_grid=(0.0, 1.0, 5.0), seglen_weights=(1.0,), prune_after=40,
                           revive_every=10**9).with_depth()
     tuner = ShadowTuner(toy, 600, config)
-    depth = [v for v, choice in enumerate(tuner.choices) if is_depth_choice(choice)]
+    depth = {v for v, choice in enumerate(tuner.choices) if is_depth_choice(choice)}
     assert len(depth) == 3
-    dropped = set()
-    for sid, inp, out in contended_requests(600):
+    left = {}  # shadow -> requests since the fork when it was pruned
+    for sid, inp, out in contended_requests(1200):
         tuner.observe(sid, inp, out)
-        dropped |= {v for v, shadow in enumerate(tuner.shadows or ()) if shadow is None}
-    assert dropped and not dropped & set(depth), (dropped, tuner.choices)
+        for v, shadow in enumerate(tuner.shadows or ()):
+            if shadow is None:
+                left.setdefault(v, tuner.log.requests - tuner.log.forked_at)
+    assert math.isinf(tuner.record.horizon)
+    assert set(left) - depth and min(left[v] for v in set(left) - depth) < DEPTH_PRUNE_WAIT
+    assert depth <= set(left) and min(left[v] for v in depth) >= DEPTH_PRUNE_WAIT, left
+    # a known horizon: DEPTH_PRUNE_HORIZONS of them since the fork
+    tuner.record.horizon = 50.0
+    v = min(depth)
+    since = tuner.log.requests - tuner.log.forked_at
+    tuner.log.forked_at = tuner.log.requests - int(DEPTH_PRUNE_HORIZONS * 50.0) + 1
+    assert not tuner._depth_may_leave(v, since)
+    tuner.log.forked_at -= 1
+    assert tuner._depth_may_leave(v, since)
 
 
 def test_the_live_stand_in_is_the_live_cache_state_for_state_at_rate_one(toy):

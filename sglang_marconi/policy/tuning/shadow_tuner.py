@@ -103,6 +103,10 @@ Choice = float | str  # an alpha of FLOP-aware eviction, LRU, "seglen:W", "depth
 DEFAULT_ALPHA_GRID = (0.0, 1.0, 20.0, 100.0)
 DEFAULT_SEGLEN_WEIGHTS = (1.0, 100.0)
 DEFAULT_DEPTH_EXPONENTS = (1.0, 4.0)
+# A depth choice's shadow may be pruned only after this many continuation horizons since the fork,
+# or this many requests while the record has too few continuations to know its horizon.
+DEPTH_PRUNE_HORIZONS = 2.0
+DEPTH_PRUNE_WAIT = 1000
 
 
 def parse_alpha_grid(text: str) -> tuple[float, ...]:
@@ -540,15 +544,13 @@ class ShadowTuner:
     def _prune_or_revive(self, cur: int) -> int | None:
         """Racing: a shadow that trails the leader by `prune_margin` over both windows, by `z`
         clustered standard errors over the long one, `prune_after` sampled requests after the fork
-        or later, is dropped (never LRU's, the current choice's or the leader's, nor a depth
-        choice's: the depth rule's gain comes from continuations hundreds of requests after what
-        it kept, so trailing over the windows before them is no evidence against it, and a shadow
-        revived from another choice's contents must rebuild what it keeps from scratch): the
-        shadows' cost goes to the choices still in the race. Every `revive_every` sampled requests
-        the dropped ones come back, forked from the current choice's shadow with its evidence so
-        far (as if they had behaved like it until now), so that a shift in the workload can bring
-        them back.
-        Returns the leader (`leader()`) where it ranked them, else None."""
+        or later, is dropped (never LRU's, the current choice's or the leader's; a depth choice's
+        only once the tuner has seen DEPTH_PRUNE_HORIZONS continuation horizons since the fork,
+        `_depth_may_leave`): the shadows' cost goes to the choices still in the race. Every
+        `revive_every` sampled requests the dropped ones come back, forked from the current
+        choice's shadow with its evidence so far (as if they had behaved like it until now), so
+        that a shift in the workload can bring them back. Returns the leader (`leader()`) where it
+        ranked them, else None."""
         c, ev = self.config, self.evidence
         since_fork = self.log.sampled - self._sampled_at_fork
         if not c.prune_after or since_fork < c.prune_after:
@@ -569,12 +571,31 @@ class ShadowTuner:
         lead = self.leader()
         trial = self.verifier.trial_choice() if self.verifier is not None else None
         for v, shadow in enumerate(self.shadows):
-            if shadow is None or v in (0, cur, lead, trial) or is_depth_choice(self.choices[v]):
+            if shadow is None or v in (0, cur, lead, trial):
+                continue
+            if is_depth_choice(self.choices[v]) and not self._depth_may_leave(v, since_fork):
                 continue
             if ev.lead(lead, v, LONG, c.prune_margin, c.z, False) and ev.lead(lead, v, SHORT, c.prune_margin, 0.0, False):
                 self.shadows[v] = None
                 self.log.pruned += 1
         return lead
+
+    def _depth_may_leave(self, v: int, since_fork: int) -> bool:
+        """Whether depth choice v's shadow may be pruned: the depth rule's gain comes from
+        continuations of what it kept, so trailing is evidence against it only over a stretch
+        that spans them: DEPTH_PRUNE_HORIZONS x the record's continuation horizon since the fork
+        (DEPTH_PRUNE_WAIT while the record has too few continuations to know it). A shadow pruned
+        earlier and revived from another choice's contents would rebuild what it keeps from scratch.
+        Units are the record's: requests for the tuner's own record (fed every request), sampled
+        requests for a served shadow's (fed what the shadow serves)."""
+        if self.record is not None:
+            record, seen = self.record, self.log.requests - self.log.forked_at
+        else:
+            record, seen = self.shadows[v].cache.continuation, since_fork
+        if record is None:
+            return True
+        horizon = record.horizon
+        return seen >= (DEPTH_PRUNE_HORIZONS * horizon if math.isfinite(horizon) else DEPTH_PRUNE_WAIT)
 
     def _safe_record(self) -> ContinuationRecord | None:
         """The safe choice's shadow's own record of finished sequences (served models only)."""

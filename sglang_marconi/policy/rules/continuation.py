@@ -152,7 +152,7 @@ class ContinuationRecord:
         self.finished = 0  # sequences recorded, ever
         self.settled_rates = (self.recorded.copy(), self.continued.copy())  # as of the last multiple of SETTLE_EVERY
         self.horizon_quantile = horizon_quantile
-        self.gaps = np.zeros(GAP_BINS)  # decayed counts of continuation gaps, bin = floor(2 log2 gap)
+        self.gaps = np.zeros(GAP_BINS)  # counts of continuation gaps, bin = floor(2 log2 gap), decayed at settlements
         self.horizon = math.inf  # sequences finished after which a depth expires, as of the last settlement
         self._memo = (None, None)  # (tokens object, its hashes): one sequence hashed once for all readers
 
@@ -199,11 +199,11 @@ class ContinuationRecord:
                 self.gaps[gap_bin(self.finished - parent.finished_at)] += 1.0
         self.recorded *= self._decay
         self.continued *= self._decay
-        self.gaps *= self._decay
         self.recorded[min(depth, MAX_DEPTH)] += 1.0
         self.finished += 1
         if self.finished % SETTLE_EVERY == 0:
             self.settled_rates = (self.recorded.copy(), self.continued.copy())
+            self.gaps *= self._decay ** SETTLE_EVERY  # decayed per settlement: one pass, not one per sequence
             self.horizon = horizon_of(self.gaps, self.horizon_quantile)
         last = int(tokens[n - 1])
         blocks = n // self.block_tokens

@@ -39,7 +39,8 @@ are charged against the share of the device pools (`--marconi-hinted-share`), an
 `MarconiTiering(depth=B)` (or `depth="auto"`) ranks the host by the continuation signal instead:
 a host candidate's keep score is B x log(1 + depth) - log(age) (`DepthOrder`: the device's
 depth rule, `eviction/depth.py`, over the host's candidates), its depth that of the finished
-sequence ending exactly at it in the stream's `ContinuationRecord` (0 if none), its age measured
+sequence ending exactly at it in the stream's `ContinuationRecord` (0 if none, or once past the
+record's continuation horizon), its age measured
 back from the most recent of the candidates compared (and the incoming node). The host evicts
 the lowest keep score first, and a ranked demotion displaces only candidates below the incoming
 node's. "auto" fits B from the record (`fitted_exponent`: 0, plain recency, unless deeper

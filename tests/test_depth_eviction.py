@@ -103,8 +103,9 @@ def _continued_after(record, rng, gap, conversations):
 
 
 def test_a_depth_expires_once_it_is_older_than_the_continuation_horizon():
-    """Continuations that all come `gap` sequences later set the horizon just above `gap` (the upper
-    edge of its half-octave bin); a deep end recorded longer ago than that reads depth 0."""
+    """Continuations that (nearly) all come the same number of sequences later set the horizon just
+    above that number (the upper edge of its half-octave bin); an end recorded longer ago than the
+    horizon reads depth 0, and with no quantile it never expires."""
     rng = np.random.default_rng(5)
     record = ContinuationRecord(block_tokens=4)
     assert math.isinf(record.horizon)

@@ -40,7 +40,7 @@ SETTLE_EVERY = 64  # finished sequences between the settled copies of the rates 
 HORIZON_MIN_GAPS = 100.0  # decayed continuations needed before the horizon leaves infinity
 GAP_BINS = 128  # half-octave bins of continuation gaps (in sequences finished): up to 2**64
 # Python's memory per record (both dictionary entries and the record itself), measured on CPython
-# 3.11 (`tests/test_continuation.py` checks it stays within this).
+# 3.11 (`tests/test_depth_eviction.py` checks it stays within this).
 BYTES_PER_SEQUENCE = 400
 
 _MASK = (1 << 64) - 1

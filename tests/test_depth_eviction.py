@@ -14,7 +14,9 @@ from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.rules.continuation import (BYTES_PER_SEQUENCE, GAP_BINS, HORIZON_MIN_GAPS,
                                                       ContinuationRecord, gap_bin, horizon_of, prefix_hashes)
 from sglang_marconi.policy.rules.eviction import CalibratedDepthEviction, DepthEviction, FlopAwareEviction
-from sglang_marconi.policy.rules.eviction.depth import fitted_exponent
+from sglang_marconi.policy.rules.eviction.depth import SCAN_FIRST, deepest_oldest, fitted_exponent
+from sglang_marconi.policy.tree.candidate_index import CandidateIndex
+from sglang_marconi.policy.tree.small_candidates import SmallCandidateIndex
 from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
 from sglang_marconi.policy.tuning.shadow_tuner import (DEPTH_AUTO, ShadowConfig, ShadowTuner, adopt_choice,
                                                        choice_of, eviction_for)
@@ -178,6 +180,39 @@ def _two_candidates(eviction):
     cache.check_invariants()
     nxt = turn(deep, rng, 10)
     return cache.lookup(nxt).hit_tokens, len(deep)
+
+
+class _Item:
+    def __init__(self, i):
+        self.id = i
+
+
+@pytest.mark.parametrize("index_kind", [CandidateIndex, SmallCandidateIndex])
+@pytest.mark.parametrize("seed", range(40))
+def test_reading_depths_oldest_first_picks_the_victim_of_every_depth(index_kind, seed):
+    """The victim choice reads depths oldest first and stops once no younger candidate can win
+    (`_lowest_keep_scanned`); it must pick what scoring every candidate picks, forced ties
+    included (few distinct recencies and depths, so that keep scores coincide exactly), and read
+    fewer depths where an old candidate is shallow."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 300))
+    recency = rng.integers(0, int(rng.choice([2, 5, 40, 10_000])), n).astype(float)
+    depths = rng.choice([0, 0, 0, 1, 2, 3, 15], n).astype(float) if seed % 3 else np.zeros(n)
+    index = index_kind(tie_key=CandidateIndex.node_id)
+    items = [_Item(int(i)) for i in rng.permutation(10 * n)[:n]]
+    for item, t in zip(items, recency):
+        index.add(item, t, 0.0)
+    reads = []
+
+    def depth_of(slot):
+        reads.append(slot)
+        return depths[slot]
+
+    for exponent in (0.5, 1.0, 4.0, 16.0):
+        reads.clear()
+        assert deepest_oldest(index, depth_of, exponent) is deepest_oldest(index, depths, exponent)
+        if seed % 3 == 0:  # every depth 0: the oldest candidates decide, their ties read at once
+            assert len(reads) <= max(SCAN_FIRST, int(np.sum(recency == recency.min()))) * 5
 
 
 def test_depth_decides_the_victim_where_lru_evicts_the_deep_conversation():

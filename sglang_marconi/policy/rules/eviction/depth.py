@@ -35,6 +35,7 @@ MIN_RECORDS = 200.0  # decayed sequences needed at depth 0 and at depths >= 1 be
 SIGNIFICANCE_Z = 2.0  # deeper sequences must be continued more often by this many standard errors
 MAX_EXPONENT = 16.0
 SHRINK = 10.0  # pseudo-sequences pulling each depth's rate toward the pooled rate
+SCAN_FIRST = 8  # candidates whose depths a victim choice reads first (then 4x as many at a time)
 
 
 def check_exponent(exponent) -> float:
@@ -49,16 +50,46 @@ def core_node_end(node) -> tuple[int, int]:
     return node.end, int(src[node.end - 1] if src is not None else node.tokens[-1])
 
 
-def deepest_oldest(candidates, depths: np.ndarray, exponent: float):
+def deepest_oldest(candidates, depths, exponent: float):
     """The candidate with the largest (age + 1) / (1 + depth)^exponent, age measured back from the
-    most recent candidate; exact ties to the smallest tie key (`score.lowest_slot`)."""
+    most recent candidate; exact ties to the smallest tie key (`score.lowest_slot`). `depths`: each
+    candidate's depth, as an array in slot order or as a function of the slot; a function is read
+    only for the candidates that could still be the victim (`_lowest_keep_scanned`)."""
     n = len(candidates)
     recency = np.asarray(candidates.last_access[:n], dtype=float)
     if not exponent:
         return candidates.items[score.lowest_slot(recency, candidates.least_key)]
     age = recency.max() - recency + 1.0
-    keep = exponent * np.log1p(depths) - np.log(age)  # the victim has the lowest
+    log_age = np.log(age)
+    if callable(depths) and exponent > 0:
+        return candidates.items[_lowest_keep_scanned(candidates, depths, exponent, log_age)]
+    if callable(depths):
+        depths = np.fromiter(map(depths, range(n)), dtype=float, count=n)
+    keep = exponent * np.log1p(depths) - log_age  # the victim has the lowest
     return candidates.items[score.lowest_slot(keep, candidates.least_key)]
+
+
+def _lowest_keep_scanned(candidates, depth_of, exponent: float, log_age: np.ndarray) -> int:
+    """The slot `deepest_oldest` picks, with depths read oldest first and only while they can
+    matter: a candidate's keep score, B log(1 + depth) - log(age), is at least -log(age) (B > 0),
+    so once a younger candidate's -log(age) exceeds the lowest keep found, neither it nor any
+    younger one can be the victim or tie it. Each score is computed with the same operations as
+    over the whole array, so the victim and its ties are the same, bit for bit."""
+    order = np.argsort(log_age)[::-1]  # oldest first
+    floor = -log_age[order]  # ascending
+    best, start, size, n = math.inf, 0, SCAN_FIRST, len(order)
+    seen, kept = [], []
+    while start < n and floor[start] <= best:
+        chunk = order[start:start + size]
+        keep = exponent * np.log1p(np.fromiter(map(depth_of, chunk.tolist()), dtype=float, count=len(chunk))) \
+            - log_age[chunk]
+        seen.append(chunk)
+        kept.append(keep)
+        best = min(best, float(keep.min()))
+        start, size = start + size, 4 * size
+    slots = np.concatenate(seen)
+    tied = np.sort(slots[np.concatenate(kept) == best])
+    return int(tied[0]) if len(tied) == 1 else int(candidates.least_key(tied))
 
 
 def fitted_exponent(recorded: np.ndarray, continued: np.ndarray) -> float:
@@ -116,14 +147,14 @@ class DepthEviction(EvictionPolicy):
         """B, where choice histories record a rule's weight."""
         return self.exponent
 
-    def depths(self, candidates) -> np.ndarray:
-        depth_at, node_end = self.record.depth_at, self.node_end
-        return np.fromiter((depth_at(*node_end(node)) for node in candidates.items), dtype=float,
-                           count=len(candidates))
+    def depth_reader(self, candidates):
+        """A candidate's depth by its slot in `candidates`, read from the record."""
+        depth_at, node_end, items = self.record.depth_at, self.node_end, candidates.items
+        return lambda slot: depth_at(*node_end(items[slot]))
 
     def choose(self, candidates):
         exponent = self.current_exponent()
-        return deepest_oldest(candidates, self.depths(candidates) if exponent else None, exponent)
+        return deepest_oldest(candidates, self.depth_reader(candidates) if exponent else None, exponent)
 
 
 class CalibratedDepthEviction(DepthEviction):

@@ -11,8 +11,10 @@ import pytest
 from toy_profile import ToyProfile
 
 from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.rules import continuation
 from sglang_marconi.policy.rules.continuation import (BYTES_PER_SEQUENCE, GAP_BINS, HORIZON_MIN_GAPS,
-                                                      ContinuationRecord, gap_bin, horizon_of, prefix_hashes)
+                                                      ContinuationRecord, RecordedDepths, gap_bin, horizon_of,
+                                                      prefix_hashes)
 from sglang_marconi.policy.rules.eviction import CalibratedDepthEviction, DepthEviction, FlopAwareEviction
 from sglang_marconi.policy.rules.eviction.depth import SCAN_FIRST, deepest_oldest, fitted_exponent
 from sglang_marconi.policy.tree.candidate_index import CandidateIndex
@@ -193,26 +195,62 @@ def test_reading_depths_oldest_first_picks_the_victim_of_every_depth(index_kind,
     """The victim choice reads depths oldest first and stops once no younger candidate can win
     (`_lowest_keep_scanned`); it must pick what scoring every candidate picks, forced ties
     included (few distinct recencies and depths, so that keep scores coincide exactly), and read
-    fewer depths where an old candidate is shallow."""
+    few depths where the oldest candidates are shallow."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 300))
     recency = rng.integers(0, int(rng.choice([2, 5, 40, 10_000])), n).astype(float)
     depths = rng.choice([0, 0, 0, 1, 2, 3, 15], n).astype(float) if seed % 3 else np.zeros(n)
     index = index_kind(tie_key=CandidateIndex.node_id)
-    items = [_Item(int(i)) for i in rng.permutation(10 * n)[:n]]
-    for item, t in zip(items, recency):
+    for item, t in zip([_Item(int(i)) for i in rng.permutation(10 * n)[:n]], recency):
         index.add(item, t, 0.0)
     reads = []
 
-    def depth_of(slot):
-        reads.append(slot)
-        return depths[slot]
+    def depths_of(slots):
+        reads.extend(slots.tolist())
+        return depths[slots]
 
     for exponent in (0.5, 1.0, 4.0, 16.0):
         reads.clear()
-        assert deepest_oldest(index, depth_of, exponent) is deepest_oldest(index, depths, exponent)
-        if seed % 3 == 0:  # every depth 0: the oldest candidates decide, their ties read at once
-            assert len(reads) <= max(SCAN_FIRST, int(np.sum(recency == recency.min()))) * 5
+        assert deepest_oldest(index, depths_of, exponent) is deepest_oldest(index, depths, exponent)
+        assert len(reads) == len(set(reads)), "a depth read twice"
+        if seed % 3 == 0 and np.sum(recency == recency.min()) <= SCAN_FIRST:
+            assert len(reads) == min(n, SCAN_FIRST), "every depth 0: the oldest decide, in the first read"
+
+
+class _EndNode:
+    def __init__(self, end, last):
+        self.end_key = (end, last)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_remembered_depths_are_the_records_depths_as_it_changes(seed, monkeypatch):
+    """`RecordedDepths` remembers each node's row between reads; at every read it must give what
+    `depth_at` gives now, while the record sets, replaces and drops ends (a small record that
+    overflows), its horizon moves, and its log of changed ends is cut short (a reader further
+    behind re-reads everything)."""
+    monkeypatch.setattr(continuation, "ENDS_LOG_KEPT", int(np.random.default_rng(seed).choice([3, 50, 4096])))
+    rng = np.random.default_rng(seed)
+    record = ContinuationRecord(block_tokens=4, max_sequences=int(rng.choice([8, 64])))
+    reader = RecordedDepths(record, lambda node: node.end_key)
+    prompts = [rng.integers(0, 50, 8) for _ in range(6)]
+    open_turns, nodes = [], []
+    for step in range(1500):
+        if open_turns and rng.random() < 0.6:  # a next turn of an open conversation (or a repeat of it)
+            history = open_turns[int(rng.integers(len(open_turns)))]
+            seq = history if rng.random() < 0.1 else np.concatenate((history, rng.integers(0, 50, int(rng.integers(1, 9)))))
+        else:
+            seq = np.concatenate((prompts[int(rng.integers(len(prompts)))], rng.integers(0, 50, int(rng.integers(0, 9)))))
+        record.finish(seq)
+        open_turns = (open_turns + [seq])[-40:]
+        nodes.append(_EndNode(len(seq), int(seq[-1])))
+        if rng.random() < 0.3:
+            nodes.append(_EndNode(int(rng.integers(1, 40)), int(rng.integers(0, 50))))  # an end nobody finished at
+        nodes = [node for node in nodes if rng.random() < 0.97]  # evicted
+        if step % 7 == 0 and nodes:
+            shown = [nodes[i] for i in rng.permutation(len(nodes))[: int(rng.integers(1, len(nodes) + 1))]]
+            expected = [record.depth_at(*node.end_key) for node in shown]
+            assert reader(shown, len(nodes)).tolist() == expected
+    assert math.isfinite(record.horizon), "the horizon never settled: expiry went untested"
 
 
 def test_depth_decides_the_victim_where_lru_evicts_the_deep_conversation():

@@ -42,6 +42,7 @@ GAP_BINS = 128  # half-octave bins of continuation gaps (in sequences finished):
 # Python's memory per record (both dictionary entries and the record itself), measured on CPython
 # 3.11 (`tests/test_depth_eviction.py` checks it stays within this).
 BYTES_PER_SEQUENCE = 400
+ENDS_LOG_KEPT = 4096  # changed ends kept for `RecordedDepths` readers; one further behind re-reads all
 
 _MASK = (1 << 64) - 1
 _MULTIPLIER = 0x9E3779B97F4A7C15  # odd: invertible modulo 2**64
@@ -147,6 +148,8 @@ class ContinuationRecord:
         self._decay = 0.5 ** (1.0 / half_life)
         self._by_prefix: OrderedDict[int, _Sequence] = OrderedDict()  # block-prefix hash -> its latest sequence
         self._by_end: dict[tuple[int, int], tuple[int, int]] = {}  # (length, last token) -> (depth, finished at)
+        self._ends_log: list[tuple[int, int]] = []  # ends set or dropped in `_by_end`, in order (`ends_changed_since`)
+        self._ends_logged_before = 0  # how many changes were logged before `_ends_log[0]`
         self.recorded = np.zeros(MAX_DEPTH + 1)  # decayed counts per depth
         self.continued = np.zeros(MAX_DEPTH + 1)
         self.finished = 0  # sequences recorded, ever
@@ -213,19 +216,41 @@ class ContinuationRecord:
             if old is not None:
                 self._forget_end(old)
             self._by_prefix[key] = _Sequence(n, last, depth, self.finished)
-            self._by_end[(n, last)] = (depth, self.finished)
+            self._set_end((n, last), (depth, self.finished))
             while len(self._by_prefix) > self.max_sequences:
                 self._forget_end(self._by_prefix.popitem(last=False)[1])
         else:  # shorter than a block: nothing can be found to extend it, but its end has a depth
-            self._by_end[(n, last)] = (depth, self.finished)
+            self._set_end((n, last), (depth, self.finished))
             if len(self._by_end) > 2 * self.max_sequences:
-                self._by_end.pop(next(iter(self._by_end)))
+                end = next(iter(self._by_end))
+                del self._by_end[end]
+                self._log_end(end)
         return depth
+
+    def _set_end(self, end: tuple[int, int], row: tuple[int, int]) -> None:
+        self._by_end[end] = row
+        self._log_end(end)
 
     def _forget_end(self, seq: _Sequence) -> None:
         end = (seq.length, seq.last_token)
         if self._by_end.get(end) == (seq.depth, seq.finished_at):
             del self._by_end[end]
+            self._log_end(end)
+
+    def _log_end(self, end: tuple[int, int]) -> None:
+        log = self._ends_log
+        log.append(end)
+        if len(log) > ENDS_LOG_KEPT:
+            self._ends_logged_before += len(log)
+            log.clear()
+
+    def ends_changed_since(self, position: int) -> tuple[list | None, int]:
+        """The ends whose row was set or dropped since `position` (a count of changes, as this
+        returned last time; 0 at the start), or None if they are no longer all known; and the
+        position now."""
+        log, before = self._ends_log, self._ends_logged_before
+        now = before + len(log)
+        return (None if position < before else log[position - before:]), now
 
     def depth_at(self, end: int, last_token: int) -> int:
         """The depth of the recorded sequence ending at `end` with `last_token`; 0 if none, or if it
@@ -265,4 +290,60 @@ class ContinuationRecord:
         other.recorded, other.continued, other.gaps = self.recorded.copy(), self.continued.copy(), self.gaps.copy()
         other.settled_rates = tuple(a.copy() for a in self.settled_rates)
         other._memo = (None, None)
+        other._ends_log, other._ends_logged_before = [], 0
         return other
+
+
+class RecordedDepths:
+    """The depths `ContinuationRecord.depth_at` gives a changing set of nodes, as one array per
+    read, remembered per node between reads: a node's end and last token never change while it
+    lives, so its remembered row (depth, finished at) goes stale only when the record sets or
+    drops that end (`ends_changed_since`); expiry past the horizon is applied to all rows at
+    once. Per read: one dictionary lookup per node, one record lookup per node not seen since
+    its end changed. Memory: the nodes read, forgotten wholesale once they exceed a few times
+    the nodes of one read."""
+
+    def __init__(self, record: ContinuationRecord, end_of):
+        """`end_of(node)`: (end, last token) of a node."""
+        self.record, self.end_of = record, end_of
+        self._reset(record.ends_changed_since(0)[1])
+
+    def _reset(self, position: int) -> None:
+        self._depth: dict = {}  # node -> the depth of its end's row (0 where its end is not recorded)
+        self._at: dict = {}  # node -> when that row was recorded (finished count; 0 for none)
+        self._nodes_at: dict[tuple[int, int], list] = {}  # end -> the nodes whose row was read from it
+        self._position = position
+
+    def __call__(self, nodes, population: int | None = None) -> np.ndarray:
+        """Each node's `depth_at(*end_of(node))` now, as floats in the order given. `population`:
+        how many nodes the caller reads from (all of `nodes` by default), which bounds what is
+        remembered."""
+        record = self.record
+        changed, position = record.ends_changed_since(self._position)
+        if changed is None or len(self._depth) > 4 * (len(nodes) if population is None else population) + 1024:
+            self._reset(position)
+        else:
+            self._position = position
+            depth_of, at, nodes_at = self._depth, self._at, self._nodes_at
+            for end in changed:
+                for node in nodes_at.pop(end, ()):
+                    del depth_of[node], at[node]
+        depths = list(map(self._depth.get, nodes))
+        if None in depths:
+            self._read(nodes, depths)
+        depth = np.array(depths, dtype=float)
+        if math.isinf(record.horizon):
+            return depth
+        finished_at = np.fromiter(map(self._at.get, nodes), dtype=float, count=len(nodes))
+        return np.where(record.finished - finished_at > record.horizon, 0.0, depth)
+
+    def _read(self, nodes, depths: list) -> None:
+        by_end, end_of, depth_of, at, nodes_at = (self.record._by_end, self.end_of, self._depth, self._at,
+                                                  self._nodes_at)
+        for i, depth in enumerate(depths):
+            if depth is None:
+                node = nodes[i]
+                end = end_of(node)
+                row_depth, at[node] = by_end.get(end, (0, 0))
+                depths[i] = depth_of[node] = row_depth
+                nodes_at.setdefault(end, []).append(node)

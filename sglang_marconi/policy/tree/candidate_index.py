@@ -67,6 +67,10 @@ class CandidateIndex:
     def efficiency(self) -> np.ndarray:
         return self._columns[1]
 
+    def recencies(self) -> np.ndarray:
+        """Every entry's recency, in slot order (not to be written to)."""
+        return self._columns[0, : len(self.items)]
+
     def __len__(self) -> int:
         return len(self.items)
 

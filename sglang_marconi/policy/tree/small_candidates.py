@@ -38,6 +38,9 @@ class SmallCandidateIndex(CandidateIndex):
     def efficiency(self) -> np.ndarray:
         return np.array(self.value)
 
+    def recencies(self) -> np.ndarray:
+        return self._t[: len(self.items)] if self._mirrored else np.array(self.recency, dtype=float)
+
     def _mirror(self) -> None:
         n = len(self.items)
         capacity = max(2 * n, 64)

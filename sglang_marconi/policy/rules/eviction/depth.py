@@ -56,7 +56,7 @@ def deepest_oldest(candidates, depths, exponent: float):
     candidate's depth, as an array in slot order, or as a function of an array of slots, read only
     for the candidates that could still be the victim (`_lowest_keep_scanned`)."""
     n = len(candidates)
-    recency = np.asarray(candidates.last_access[:n], dtype=float)
+    recency = candidates.recencies()
     if not exponent:
         return candidates.items[score.lowest_slot(recency, candidates.least_key)]
     age = recency.max() - recency + 1.0
@@ -72,22 +72,27 @@ def deepest_oldest(candidates, depths, exponent: float):
 def _lowest_keep_scanned(candidates, depths_of, exponent: float, log_age: np.ndarray) -> int:
     """The slot `deepest_oldest` picks, with depths read oldest first and only while they can
     matter: a candidate's keep score, B log(1 + depth) - log(age), is at least -log(age) (B > 0),
-    so once a younger candidate's -log(age) exceeds the lowest keep found, neither it nor any
-    younger one can be the victim or tie it. Each score is computed with the same operations as
-    over the whole array, so the victim and its ties are the same, bit for bit. (The candidates
-    the depth rule keeps longest are the deep ones, so the oldest are often deep: the read grows
-    4x at a time.)"""
-    order = np.argsort(log_age)[::-1]  # oldest first
-    floor = -log_age[order]  # ascending
-    best, start, size, n = math.inf, 0, SCAN_FIRST, len(order)
+    so a candidate whose -log(age) exceeds the lowest keep found can be neither the victim nor
+    tied with it. Each round reads the oldest of those not excluded yet (4x as many as the last
+    round: the depth rule keeps deep candidates longest, so the oldest are often deep), until none
+    is left. Each score is computed with the same operations as over the whole array, so the
+    victim and its ties are the same, bit for bit."""
+    floor = -log_age
+    unread = np.ones(len(floor), dtype=bool)
+    best, size = math.inf, SCAN_FIRST
     seen, kept = [], []
-    while start < n and floor[start] <= best:
-        chunk = order[start:start + size]
-        keep = exponent * np.log1p(depths_of(chunk)) - log_age[chunk]
-        seen.append(chunk)
+    while True:
+        pending = np.flatnonzero(unread & (floor <= best))
+        if not len(pending):
+            break
+        if len(pending) > size:
+            pending = pending[np.argpartition(floor[pending], size - 1)[:size]]
+        keep = exponent * np.log1p(depths_of(pending)) - log_age[pending]
+        unread[pending] = False
+        seen.append(pending)
         kept.append(keep)
         best = min(best, float(keep.min()))
-        start, size = start + size, 4 * size
+        size *= 4
     slots = np.concatenate(seen)
     tied = np.sort(slots[np.concatenate(kept) == best])
     return int(tied[0]) if len(tied) == 1 else int(candidates.least_key(tied))

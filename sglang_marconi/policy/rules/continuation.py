@@ -162,11 +162,11 @@ class ContinuationRecord:
     def __len__(self) -> int:
         return len(self._by_prefix)
 
-    def _hashes(self, tokens) -> np.ndarray:
+    def _hashes(self, tokens) -> list[int]:
         seen, hashes = self._memo
         if seen is tokens:
             return hashes
-        hashes = prefix_hashes(tokens, self.block_tokens)
+        hashes = prefix_hashes(tokens, self.block_tokens).tolist()  # Python ints: cheaper to look up one by one
         self._memo = (tokens, hashes)
         return hashes
 
@@ -180,9 +180,9 @@ class ContinuationRecord:
         hashes = self._hashes(tokens)
         by_prefix = self._by_prefix
         for k in range(min(len(hashes), n // self.block_tokens), 0, -1):
-            seq = by_prefix.get(int(hashes[k - 1]))
+            seq = by_prefix.get(hashes[k - 1])
             if seq is not None and seq.length < n and int(tokens[seq.length - 1]) == seq.last_token:
-                return int(hashes[k - 1]), seq
+                return hashes[k - 1], seq
         return None
 
     def finish(self, tokens, n: int | None = None) -> int:
@@ -211,7 +211,7 @@ class ContinuationRecord:
         last = int(tokens[n - 1])
         blocks = n // self.block_tokens
         if blocks:
-            key = int(self._hashes(tokens)[blocks - 1])
+            key = self._hashes(tokens)[blocks - 1]
             old = self._by_prefix.pop(key, None)
             if old is not None:
                 self._forget_end(old)

@@ -35,7 +35,7 @@ MIN_RECORDS = 200.0  # decayed sequences needed at depth 0 and at depths >= 1 be
 SIGNIFICANCE_Z = 2.0  # deeper sequences must be continued more often by this many standard errors
 MAX_EXPONENT = 16.0
 SHRINK = 10.0  # pseudo-sequences pulling each depth's rate toward the pooled rate
-SCAN_FIRST = 16  # candidates whose depths a victim choice reads first (then 4x as many at a time)
+SCAN_FIRST = 16  # candidates whose depths a victim choice reads first, at least (then 4x as many at a time)
 
 
 def check_exponent(exponent) -> float:
@@ -50,11 +50,12 @@ def core_node_end(node) -> tuple[int, int]:
     return node.end, int(src[node.end - 1] if src is not None else node.tokens[-1])
 
 
-def deepest_oldest(candidates, depths, exponent: float):
+def deepest_oldest(candidates, depths, exponent: float, first_read: int = SCAN_FIRST):
     """The candidate with the largest (age + 1) / (1 + depth)^exponent, age measured back from the
     most recent candidate; exact ties to the smallest tie key (`score.lowest_slot`). `depths`: each
     candidate's depth, as an array in slot order, or as a function of an array of slots, read only
-    for the candidates that could still be the victim (`_lowest_keep_scanned`)."""
+    for the candidates that could still be the victim (`_lowest_keep_scanned`, `first_read` of them
+    first)."""
     n = len(candidates)
     recency = candidates.recencies()
     if not exponent:
@@ -62,14 +63,14 @@ def deepest_oldest(candidates, depths, exponent: float):
     age = recency.max() - recency + 1.0
     log_age = np.log(age)
     if callable(depths) and exponent > 0:
-        return candidates.items[_lowest_keep_scanned(candidates, depths, exponent, log_age)]
+        return candidates.items[_lowest_keep_scanned(candidates, depths, exponent, log_age, first_read)]
     if callable(depths):
         depths = depths(np.arange(n))
     keep = exponent * np.log1p(depths) - log_age  # the victim has the lowest
     return candidates.items[score.lowest_slot(keep, candidates.least_key)]
 
 
-def _lowest_keep_scanned(candidates, depths_of, exponent: float, log_age: np.ndarray) -> int:
+def _lowest_keep_scanned(candidates, depths_of, exponent: float, log_age: np.ndarray, first_read: int) -> int:
     """The slot `deepest_oldest` picks, with depths read oldest first and only while they can
     matter: a candidate's keep score, B log(1 + depth) - log(age), is at least -log(age) (B > 0),
     so a candidate whose -log(age) exceeds the lowest keep found can be neither the victim nor
@@ -79,7 +80,7 @@ def _lowest_keep_scanned(candidates, depths_of, exponent: float, log_age: np.nda
     victim and its ties are the same, bit for bit."""
     floor = -log_age
     unread = np.ones(len(floor), dtype=bool)
-    best, size = math.inf, SCAN_FIRST
+    best, size = math.inf, max(1, first_read)
     seen, kept = [], []
     while True:
         pending = np.flatnonzero(unread & (floor <= best))
@@ -139,6 +140,8 @@ class DepthEviction(EvictionPolicy):
         self.feeds_record = not shared_record
         self.node_end = node_end
         self._depths: RecordedDepths | None = None  # remembered between victim choices
+        self._first_read = SCAN_FIRST  # depths a victim choice reads in its first round
+        self.depths_read = 0
 
     def observe_request(self, cache, request, n: int) -> None:
         """A request finished with its first n tokens cached (`request`: a token array, or a
@@ -156,16 +159,26 @@ class DepthEviction(EvictionPolicy):
 
     def depths(self, candidates):
         """The depths (`ContinuationRecord.depth_at` at their ends) of the candidates in an array
-        of slots, as a function of that array."""
+        of slots, as a function of that array; `self.depths_read` counts the candidates read."""
         reader = self._depths
         if reader is None or reader.record is not self.record:
             reader = self._depths = RecordedDepths(self.record, self.node_end)
         items, n = candidates.items, len(candidates)
-        return lambda slots: reader([items[i] for i in slots.tolist()], n)
+        self.depths_read = 0
+
+        def depths_of(slots: np.ndarray) -> np.ndarray:
+            self.depths_read += len(slots)
+            return reader([items[i] for i in slots.tolist()], n)
+        return depths_of
 
     def choose(self, candidates):
         exponent = self.current_exponent()
-        return deepest_oldest(candidates, self.depths(candidates) if exponent else None, exponent)
+        if not exponent:
+            return deepest_oldest(candidates, None, exponent)
+        # as many depths first as the last choice needed: the oldest candidates change little
+        victim = deepest_oldest(candidates, self.depths(candidates), exponent, self._first_read)
+        self._first_read = max(SCAN_FIRST, self.depths_read)
+        return victim
 
 
 class CalibratedDepthEviction(DepthEviction):

@@ -19,8 +19,9 @@ The Mooncake grid: profiles paper-7b and nemotron-h-8b, device 50 / 100 / 200 GB
 `UpstreamWriteBack`, LRU host), Marconi's tier rule (`MarconiTiering`: demote or drop, the host
 ranked by recency + FLOPs saved per byte; device LRU, so the tier rule alone differs) and the
 tier rule with the continuation signal (`MarconiTiering(depth="auto")`: the host ranked by
-age / (1 + depth)^B, B fitted from the record; device `depth:auto`). No tuner: every run is a
-fixed rule, so a cell's difference is the rule's.
+age / (1 + depth)^B, B fitted from the record; device `depth:auto`), each a fixed rule, so a
+cell's difference is the rule's; and Marconi as it runs by default (`marconi`: the device tuned
+over its choices, the depth-aware ones behind the tuner's guard, and the tier rule on the host).
 """
 
 from __future__ import annotations
@@ -58,17 +59,22 @@ ABLATION = "marconi/wb"  # Marconi's tuned device eviction, upstream's write-bac
 GRID_PROFILES = ("paper-7b", "nemotron-h-8b")
 GRID_DEVICE_GB = (50, 100, 200)
 GRID_HOST_RATIOS = (2, 5, 10)
-GRID_POLICIES = ("lru-write-back", "tier-rule", "tier-rule+depth")
+GRID_POLICIES = ("lru-write-back", "tier-rule", "tier-rule+depth", "marconi")
 
 
-def grid_policy(name: str, profile, cap: int, host: int) -> TieredRadixPolicy:
-    """One of `GRID_POLICIES` at device `cap` and host `host` bytes (fixed rules, no tuner)."""
+def grid_policy(name: str, profile, cap: int, host: int, workload=None) -> TieredRadixPolicy:
+    """One of `GRID_POLICIES` at device `cap` and host `host` bytes: fixed rules, no tuner, but for
+    `marconi`, what `python -m sglang_marconi.sim` and the server run by default (the device tuned
+    over its choices, the depth ones included, for `workload`; the tier rule on the host)."""
     if name == "lru-write-back":
         return TieredRadixPolicy(name, profile, cap, host, UpstreamWriteBack(), LruLeafEviction())
     if name == "tier-rule":
         return TieredRadixPolicy(name, profile, cap, host, MarconiTiering(1.0), FlopAwareEviction(0.0))
     if name == "tier-rule+depth":
         return TieredRadixPolicy(name, profile, cap, host, MarconiTiering(depth="auto"), CalibratedDepthEviction())
+    if name == "marconi":
+        tuning = shadow_config_for(workload, profile, cap, ShadowConfig(), None)
+        return build_policy("marconi", profile, cap, tuning=tuning, host_capacity=host)
     raise ValueError(f"unknown grid policy {name!r}; choose from {', '.join(GRID_POLICIES)}")
 
 
@@ -79,22 +85,24 @@ def grid_cell(args) -> dict:
     host = cap * ratio
     hits = {}
     for name in GRID_POLICIES:
-        run = replay(workload, grid_policy(name, profile, cap, host), profile, cap, progress=False)
+        run = replay(workload, grid_policy(name, profile, cap, host, workload), profile, cap, progress=False)
         hits[name] = figures(run)
     return {"profile": profile_name, "device_gb": device_gb, "host_gb": host / 1e9, "ratio": ratio, "runs": hits}
 
 
 GRID_HEADER = ("| profile | device | host | LRU write-back hit% (device + host) | tier rule hit% | "
-               "tier rule + depth hit% | Δ tier rule | Δ + depth |\n|---|---|---|---|---|---|---|---|")
+               "tier rule + depth hit% | Marconi (tuned device + tier rule) hit% | Δ tier rule | Δ + depth "
+               "| Δ Marconi | Marconi's choices |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def grid_row(c) -> str:
     r = c["runs"]
-    lru, tier, depth = (r[n] for n in GRID_POLICIES)
+    lru, tier, depth, tuned = (r[n] for n in GRID_POLICIES)
     pct = lambda f: f"{100 * f['hit']:.2f} ({100 * f['device_hit']:.2f} + {100 * f['host_hit']:.2f})"  # noqa: E731
     return (f"| {c['profile']} | {c['device_gb']:g} GB | {c['host_gb']:g} GB ({c['ratio']}x) | {pct(lru)} "
-            f"| {pct(tier)} | {pct(depth)} | {100 * (tier['hit'] - lru['hit']):+.2f} "
-            f"| {100 * (depth['hit'] - lru['hit']):+.2f} |")
+            f"| {pct(tier)} | {pct(depth)} | {pct(tuned)} | {100 * (tier['hit'] - lru['hit']):+.2f} "
+            f"| {100 * (depth['hit'] - lru['hit']):+.2f} | {100 * (tuned['hit'] - lru['hit']):+.2f} "
+            f"| {' > '.join(tuned['choices'])} |")
 
 
 def run_grid(out: Path, jobs: int) -> int:

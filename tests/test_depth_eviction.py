@@ -16,7 +16,7 @@ from sglang_marconi.policy.rules.continuation import (BYTES_PER_SEQUENCE, GAP_BI
                                                       ContinuationRecord, RecordedDepths, gap_bin, horizon_of,
                                                       prefix_hashes)
 from sglang_marconi.policy.rules.eviction import CalibratedDepthEviction, DepthEviction, FlopAwareEviction
-from sglang_marconi.policy.rules.eviction.depth import SCAN_FIRST, deepest_oldest, fitted_exponent
+from sglang_marconi.policy.rules.eviction.depth import DIRECT_READ, SCAN_FIRST, deepest_oldest, fitted_exponent
 from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 from sglang_marconi.policy.tree.small_candidates import SmallCandidateIndex
 from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
@@ -279,6 +279,36 @@ def _stream(rng, continue_prob, n=3000, conversations=40):
         if len(open_) > conversations:
             open_.pop(0)
         yield seq
+
+
+class _EveryDepthRead(DepthEviction):
+    """The rule as defined: every candidate's depth read from the record at every victim choice."""
+
+    largest = 0
+
+    def choose(self, candidates):
+        self.largest = max(self.largest, len(candidates))
+        depth_at, node_end = self.record.depth_at, self.node_end
+        depths = np.fromiter((depth_at(*node_end(node)) for node in candidates.items), dtype=float,
+                             count=len(candidates))
+        return deepest_oldest(candidates, depths, self.current_exponent())
+
+
+@pytest.mark.parametrize("exponent, quantile, kept", [(1.0, 0.9, 1 << 16), (4.0, 0.9, 1 << 16), (4.0, None, 64)])
+def test_remembered_depths_evict_what_reading_every_depth_evicts(exponent, quantile, kept):
+    """`DepthEviction` remembers depths between choices and reads the oldest candidates first once
+    they are many; over a conversation stream in a cache of many candidates it must serve every
+    request as the rule read plainly does (`_EveryDepthRead`), its own record fed alike: depths that
+    expire past the horizon, and a small record that forgets ends (no expiry to hide a stale one)."""
+    caches = [HybridPrefixCache(ToyProfile(), 4000, rule(exponent, ContinuationRecord(
+        block_tokens=4, max_sequences=kept, horizon_quantile=quantile))) for rule in (DepthEviction, _EveryDepthRead)]
+    for seq in _stream(np.random.default_rng(7), lambda depth: 0.7, n=2500, conversations=60):
+        hits = [cache.serve(seq[:-4], seq[-4:])[0].hit_tokens for cache in caches]
+        assert hits[0] == hits[1]
+    plain = caches[1].eviction
+    assert plain.largest > 4 * DIRECT_READ, "too few candidates: the remembered depths were not used"
+    if quantile is not None:
+        assert math.isfinite(plain.record.horizon) and plain.record.finished > plain.record.horizon, "none expired"
 
 
 @pytest.mark.parametrize("predicts", [False, True])

@@ -36,6 +36,7 @@ SIGNIFICANCE_Z = 2.0  # deeper sequences must be continued more often by this ma
 MAX_EXPONENT = 16.0
 SHRINK = 10.0  # pseudo-sequences pulling each depth's rate toward the pooled rate
 SCAN_FIRST = 16  # candidates whose depths a victim choice reads first, at least (then 4x as many at a time)
+DIRECT_READ = 32  # up to this many candidates, a victim choice reads every depth from the record
 
 
 def check_exponent(exponent) -> float:
@@ -175,6 +176,11 @@ class DepthEviction(EvictionPolicy):
         exponent = self.current_exponent()
         if not exponent:
             return deepest_oldest(candidates, None, exponent)
+        n = len(candidates)
+        if n <= DIRECT_READ:  # a handful: reading each depth costs less than remembering them
+            depth_at, node_end = self.record.depth_at, self.node_end
+            depths = np.fromiter((depth_at(*node_end(node)) for node in candidates.items), dtype=float, count=n)
+            return deepest_oldest(candidates, depths, exponent)
         # as many depths first as the last choice needed: the oldest candidates change little
         victim = deepest_oldest(candidates, self.depths(candidates), exponent, self._first_read)
         self._first_read = max(SCAN_FIRST, self.depths_read)

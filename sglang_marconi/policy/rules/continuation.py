@@ -23,6 +23,9 @@ where the cache is ample enough to hold them that long.
 Bounds: at most `max_sequences` records, the least recently recorded or extended dropped first
 (`BYTES_PER_SEQUENCE` each at most; `tests/test_depth_eviction.py` measures it). Per finished sequence:
 one vectorized pass over its tokens and one dictionary lookup per block.
+
+A reader that looks up many candidates at a time (a victim choice) remembers their rows between reads
+(`RecordedDepths`); the record tells it which ends changed in a log of the last `ENDS_LOG_KEPT`.
 """
 
 from __future__ import annotations

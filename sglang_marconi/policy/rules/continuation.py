@@ -25,7 +25,8 @@ Bounds: at most `max_sequences` records, the least recently recorded or extended
 one vectorized pass over its tokens and one dictionary lookup per block.
 
 A reader that looks up many candidates at a time (a victim choice) remembers their rows between reads
-(`RecordedDepths`); the record tells it which ends changed in a log of the last `ENDS_LOG_KEPT`.
+(`RecordedDepths`); the record tells it which ends changed in a log of the last `ENDS_LOG_KEPT`
+(about half a megabyte at most, beside the per-sequence bound).
 """
 
 from __future__ import annotations

@@ -118,8 +118,8 @@ def test_the_depth_rule_is_in_force(requests, depth4):
 
 def oldest_deepest_first(original):
     """The exponent's sign flipped: deep candidates go first."""
-    def deepest_oldest(candidates, depths, exponent):
-        return original(candidates, depths, -exponent)
+    def deepest_oldest(candidates, depths, exponent, *rest):
+        return original(candidates, depths, -exponent, *rest)
     return deepest_oldest
 
 

@@ -2,8 +2,10 @@
 rule where depth must decide the victim, the self-calibrating variant's fallback to LRU, and the
 tuner running both as choices."""
 
+import gc
 import inspect
 import math
+import weakref
 import tracemalloc
 
 import numpy as np
@@ -218,8 +220,12 @@ def test_reading_depths_oldest_first_picks_the_victim_of_every_depth(index_kind,
 
 
 class _EndNode:
+    made = 0
+
     def __init__(self, end, last):
         self.end_key = (end, last)
+        self.id = _EndNode.made  # unique and never reused, as a cache's node ids are
+        _EndNode.made += 1
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -279,6 +285,20 @@ def _stream(rng, continue_prob, n=3000, conversations=40):
         if len(open_) > conversations:
             open_.pop(0)
         yield seq
+
+
+def test_remembered_depths_keep_no_node_alive():
+    """A served cache's evicted nodes hold SGLang's index tensors: remembering a depth must not
+    keep its node."""
+    record = ContinuationRecord(block_tokens=4)
+    record.finish(np.arange(12))
+    reader = RecordedDepths(record, lambda node: node.end_key)
+    nodes = [_EndNode(12, 11), _EndNode(8, 7)]
+    assert reader(nodes).tolist() == [0.0, 0.0]
+    gone = weakref.ref(nodes[0])
+    del nodes[0]
+    gc.collect()
+    assert gone() is None, "a node read once is still referenced"
 
 
 class _EveryDepthRead(DepthEviction):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 from collections import OrderedDict
 
 import numpy as np
@@ -304,8 +305,9 @@ class RecordedDepths:
     lives, so its remembered row (depth, finished at) goes stale only when the record sets or
     drops that end (`ends_changed_since`); expiry past the horizon is applied to all rows at
     once. Per read: one dictionary lookup per node, one record lookup per node not seen since
-    its end changed. Memory: the nodes read, forgotten wholesale once they exceed a few times
-    the nodes of one read."""
+    its end changed. Nodes are known by their `id` (unique among a cache's nodes, never reused:
+    the candidates' tie key), so that no node is kept alive. Memory: the nodes read, forgotten
+    wholesale once they exceed a few times the nodes of one read."""
 
     def __init__(self, record: ContinuationRecord, end_of):
         """`end_of(node)`: (end, last token) of a node."""
@@ -313,9 +315,9 @@ class RecordedDepths:
         self._reset(record.ends_changed_since(0)[1])
 
     def _reset(self, position: int) -> None:
-        self._depth: dict = {}  # node -> the depth of its end's row (0 where its end is not recorded)
-        self._at: dict = {}  # node -> when that row was recorded (finished count; 0 for none)
-        self._nodes_at: dict[tuple[int, int], list] = {}  # end -> the nodes whose row was read from it
+        self._depth: dict[int, int] = {}  # node id -> the depth of its end's row (0 where its end is not recorded)
+        self._at: dict[int, int] = {}  # node id -> when that row was recorded (finished count; 0 for none)
+        self._ids_at: dict[tuple[int, int], list[int]] = {}  # end -> the nodes whose row was read from it
         self._position = position
 
     def __call__(self, nodes, population: int | None = None) -> np.ndarray:
@@ -328,26 +330,30 @@ class RecordedDepths:
             self._reset(position)
         else:
             self._position = position
-            depth_of, at, nodes_at = self._depth, self._at, self._nodes_at
+            depth_of, at, ids_at = self._depth, self._at, self._ids_at
             for end in changed:
-                for node in nodes_at.pop(end, ()):
-                    del depth_of[node], at[node]
-        depths = list(map(self._depth.get, nodes))
+                for node_id in ids_at.pop(end, ()):
+                    del depth_of[node_id], at[node_id]
+        ids = list(map(_node_id, nodes))
+        depths = list(map(self._depth.get, ids))
         if None in depths:
-            self._read(nodes, depths)
+            self._read(nodes, ids, depths)
         depth = np.array(depths, dtype=float)
         if math.isinf(record.horizon):
             return depth
-        finished_at = np.fromiter(map(self._at.get, nodes), dtype=float, count=len(nodes))
+        finished_at = np.fromiter(map(self._at.get, ids), dtype=float, count=len(ids))
         return np.where(record.finished - finished_at > record.horizon, 0.0, depth)
 
-    def _read(self, nodes, depths: list) -> None:
-        by_end, end_of, depth_of, at, nodes_at = (self.record._by_end, self.end_of, self._depth, self._at,
-                                                  self._nodes_at)
+    def _read(self, nodes, ids: list[int], depths: list) -> None:
+        by_end, end_of, depth_of, at, ids_at = (self.record._by_end, self.end_of, self._depth, self._at,
+                                                self._ids_at)
         for i, depth in enumerate(depths):
             if depth is None:
-                node = nodes[i]
-                end = end_of(node)
-                row_depth, at[node] = by_end.get(end, (0, 0))
-                depths[i] = depth_of[node] = row_depth
-                nodes_at.setdefault(end, []).append(node)
+                node_id = ids[i]
+                end = end_of(nodes[i])
+                row_depth, at[node_id] = by_end.get(end, (0, 0))
+                depths[i] = depth_of[node_id] = row_depth
+                ids_at.setdefault(end, []).append(node_id)
+
+
+_node_id = operator.attrgetter("id")

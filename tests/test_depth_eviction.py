@@ -5,8 +5,8 @@ tuner running both as choices."""
 import gc
 import inspect
 import math
-import weakref
 import tracemalloc
+import weakref
 
 import numpy as np
 import pytest
@@ -20,8 +20,8 @@ from sglang_marconi.policy.rules.continuation import (BYTES_PER_SEQUENCE, GAP_BI
 from sglang_marconi.policy.rules.eviction import CalibratedDepthEviction, DepthEviction, FlopAwareEviction
 from sglang_marconi.policy.rules.eviction.depth import DIRECT_READ, SCAN_FIRST, deepest_oldest, fitted_exponent
 from sglang_marconi.policy.tree.candidate_index import CandidateIndex
-from sglang_marconi.policy.tree.small_candidates import SmallCandidateIndex
 from sglang_marconi.policy.tree.hybrid_cache import HybridPrefixCache
+from sglang_marconi.policy.tree.small_candidates import SmallCandidateIndex
 from sglang_marconi.policy.tuning.shadow_tuner import (DEPTH_AUTO, ShadowConfig, ShadowTuner, adopt_choice,
                                                        choice_of, eviction_for)
 from sglang_marconi.policy.tuning.tuner_spec import TunerSpec

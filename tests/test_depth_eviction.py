@@ -243,9 +243,11 @@ def test_remembered_depths_are_the_records_depths_as_it_changes(seed, monkeypatc
     for step in range(1500):
         if open_turns and rng.random() < 0.6:  # a next turn of an open conversation (or a repeat of it)
             history = open_turns[int(rng.integers(len(open_turns)))]
-            seq = history if rng.random() < 0.1 else np.concatenate((history, rng.integers(0, 50, int(rng.integers(1, 9)))))
+            repeat = rng.random() < 0.1
+            seq = history if repeat else np.concatenate((history, rng.integers(0, 50, int(rng.integers(1, 9)))))
         else:
-            seq = np.concatenate((prompts[int(rng.integers(len(prompts)))], rng.integers(0, 50, int(rng.integers(0, 9)))))
+            prompt = prompts[int(rng.integers(len(prompts)))]
+            seq = np.concatenate((prompt, rng.integers(0, 50, int(rng.integers(0, 9)))))
         record.finish(seq)
         open_turns = (open_turns + [seq])[-40:]
         nodes.append(_EndNode(len(seq), int(seq[-1])))

@@ -261,9 +261,14 @@ class ContinuationRecord:
         """The depth of the recorded sequence ending at `end` with `last_token`; 0 if none, or if it
         was recorded more than `horizon` sequences ago."""
         found = self._by_end.get((end, last_token))
-        if found is None or self.finished - found[1] > self.horizon:
+        if found is None or self.expired(found[1]):
             return 0
         return found[0]
+
+    def expired(self, finished_at):
+        """Whether a row recorded when `finished_at` sequences had finished (a number, or an array of
+        them) is older than the horizon: its depth reads 0."""
+        return self.finished - finished_at > self.horizon
 
     def rates(self) -> tuple[np.ndarray, np.ndarray]:
         """Per depth (0 .. MAX_DEPTH): decayed counts of sequences recorded and of those continued
@@ -342,7 +347,7 @@ class RecordedDepths:
         if math.isinf(record.horizon):
             return depth
         finished_at = np.fromiter(map(self._at.get, ids), dtype=float, count=len(ids))
-        return np.where(record.finished - finished_at > record.horizon, 0.0, depth)
+        return np.where(record.expired(finished_at), 0.0, depth)
 
     def _read(self, nodes, ids: list[int], depths: list) -> None:
         by_end, end_of, depth_of, at, ids_at = (self.record._by_end, self.end_of, self._depth, self._at,

@@ -22,7 +22,8 @@ KV held but no state to resume from at the right place (states, or the snapshot 
 Traces: `agent` = synthetic swe-agent, 2 trajectories at scale 0.1 (the `--quick` agent of
 `bench_sglang_cache.py`); `agent20` the same with 20; `agent-backtrack` = `sim/stress.agent_backtrack`
 (8 interleaved trajectories that return to earlier message boundaries); `stress` =
-`sim/stress.chain_fanout(600)`, pools at scale 0.125.
+`sim/stress.chain_fanout(600)`, pools at scale 0.125; `reasoning` = `sim/stress.reasoning_chat` (12
+conversations x 10 turns whose template drops each answer's reasoning from the history), scale 0.1.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ CHUNK = 512
 
 
 def traces():
-    from sglang_marconi.sim.stress import agent_backtrack, chain_fanout
+    from sglang_marconi.sim.stress import agent_backtrack, chain_fanout, reasoning_chat
     from sglang_marconi.sim.synthetic import generate
 
     return {
@@ -53,6 +54,7 @@ def traces():
         "agent20": (0.1, lambda: list(generate("swe-agent", sessions=20, scale=0.1))),
         "agent-backtrack": (0.1, lambda: list(agent_backtrack())),
         "stress": (0.125, lambda: list(chain_fanout(600))),
+        "reasoning": (0.1, lambda: list(reasoning_chat())),
     }
 
 
@@ -119,7 +121,7 @@ def upstream(requests, info, kv, mamba, extra_buffer) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--traces", default="agent,agent-backtrack,stress")
+    ap.add_argument("--traces", default="agent,agent-backtrack,stress,reasoning")
     ap.add_argument("--strategies", default="extra_buffer,no_buffer")
     ap.add_argument("--pools", default="tight,mid,ample")
     ap.add_argument("--per-request", type=int, default=3,

@@ -3,7 +3,7 @@
 our admission) replaying the same traces at several pool sizes, in SGLang's two Mamba cache
 strategies. Prints markdown tables (docs/benchmarks.md has a run).
 
-    python scripts/bench_sglang_cache.py [--quick] [--traces agent,chat,mooncake,mooncake-blocks,stress]
+    python scripts/bench_sglang_cache.py [--quick] [--traces agent,chat,mooncake,mooncake-blocks,stress,reasoning]
         [--mamba-radix-cache-strategy no_buffer,extra_buffer] [--json out.json]
 
 Each request goes through the scheduler's calls on SGLang 0.5.23's own objects (the cache built by
@@ -11,7 +11,7 @@ Each request goes through the scheduler's calls on SGLang 0.5.23's own objects (
 (`Req.init_next_round_input`, with the Mamba copy-on-write), lock, request/KV slot allocation
 (evicting as needed), prefill in chunks of `--chunk-size` tokens (`checkpoint_kv_cache` after each
 non-final chunk; Marconi ends a chunk where its branch state can be kept, `chunk_end_for_branch`:
-at the branch in no_buffer mode, a snapshot step before it in extra_buffer mode), the first token,
+at the branch in no_buffer mode, a snapshot step before it and at it in extra_buffer mode), the first token,
 `checkpoint_kv_cache`, the decode KV (allocated in one call, not one per token: same memory, fewer
 eviction calls), `release_kv_cache(checkpoint=True)`. One request at a time. In extra_buffer mode
 (SGLang's GPU default) the state each extend and each 64 decoded tokens snapshot is picked by
@@ -25,8 +25,10 @@ stay on the 64-token Mamba grid, as 512 is on it in the real trace) and a conver
 turn rebuilt to repeat the previous turn's tail and reply (`sim/mooncake_tokens.py`);
 `mooncake-blocks` = the same requests with only the trace's full blocks shared (a stress case
 outside the targets: no turn can extend its predecessor there); `stress` = chains and fan-outs
-off earlier sequences, shuffled, in the shape of SGLang's own radix-cache fuzz (`sim/stress.py`).
-Pool sizes: KV tokens = a fraction of the trace's infinite-cache footprint; Mamba slots = SGLang's
+off earlier sequences, shuffled, in the shape of SGLang's own radix-cache fuzz (`sim/stress.py`);
+`reasoning` = a reasoning model's conversations whose chat template drops each answer's reasoning from
+the history (`sim/stress.reasoning_chat`: every next turn leaves the cached sequence where its
+predecessor's input ended). Pool sizes: KV tokens = a fraction of the trace's infinite-cache footprint; Mamba slots = SGLang's
 default memory split (`--mamba-full-memory-ratio 0.9`) of that KV pool for the real model
 (nemotron-h-8b: one SSM state = 3,162 tokens of KV), counting KV at the trace's real length (see
 `pool_sizes`).
@@ -114,15 +116,19 @@ def traces(quick: bool):
     """name -> (description, token scale vs the real trace, requests factory)."""
     from sglang_marconi.sim.synthetic import generate
 
-    from sglang_marconi.sim.stress import chain_fanout
+    from sglang_marconi.sim.stress import chain_fanout, reasoning_chat
 
     agent, chat, moon = (2, 10, 300) if quick else (20, 100, 3000)
     stress = 600 if quick else 5000
+    reasoning = 12 if quick else 48
     return {
         # SGLang's own radix-cache fuzz shape (chains and fan-outs off earlier sequences, shuffled);
         # pools sized as if each token stood for 8 (scale 0.125), like the Mooncake rows.
         "stress": (f"chain / fan-out stress, {stress:,} sequences (sim/stress.py), pools at scale 0.125", 0.125,
                    lambda: list(chain_fanout(stress))),
+        # a reasoning model whose template drops each answer's reasoning from the history
+        "reasoning": (f"reasoning chat, {reasoning} conversations x 10 turns, reasoning dropped from the history "
+                      "(sim/stress.py), pools at scale 0.1", 0.1, lambda: list(reasoning_chat(reasoning))),
         "agent": (f"synthetic swe-agent, {agent} trajectories, scale 0.1", 0.1,
                   lambda: list(generate("swe-agent", sessions=agent, scale=0.1))),
         "chat": (f"synthetic lmsys, {chat} sessions, scale 0.25", 0.25,
@@ -134,7 +140,7 @@ def traces(quick: bool):
                             "block, literal blocks only", 64 / MOONCAKE_BLOCK,
                             lambda: mooncake_requests(moon, 64, "blocks")),
     }
-TARGET_TRACES = ("agent", "chat", "mooncake", "stress")
+TARGET_TRACES = ("agent", "chat", "mooncake", "stress", "reasoning")
 GAIN_POINTS, GAIN_BELOW = 0.03, 0.90  # tuned >= upstream + 3 points wherever upstream is below 90%
 COVERAGE_SLACK = 0.005  # tuned >= SGLang #38000's coverage rule - 0.5 points
 
@@ -327,16 +333,19 @@ class Probe:
         return result
 
 
-def build(config: str, kv_size: int, mamba_size: int, max_context_len: int, extra_buffer: bool = False):
+def build(config: str, kv_size: int, mamba_size: int, max_context_len: int, extra_buffer: bool = False,
+          chunk: int | None = None):
     """upstream: `build_cache` on either tree core; marconi: what `--radix-cache-backend marconi`
     builds (our components + admission + cache class + runtime), alpha fixed or tuned by the
-    shadow tuner's background process (started, as in a server, before the first request)."""
+    shadow tuner's background process (started, as in a server, before the first request).
+    `chunk`: the server's `--chunked-prefill-size`, the prefill chunk `serve` runs (the backtrack
+    rule reads it: never more states than upstream keeps)."""
     from sglang_cpu import build_cache, build_marconi_serving
 
     from sglang_marconi.serving.config import MarconiServingConfig
 
     kw = dict(kv_size=kv_size, mamba_size=mamba_size, max_num_reqs=2, max_context_len=max_context_len,
-              extra_buffer=extra_buffer)
+              extra_buffer=extra_buffer, chunked_prefill_size=chunk)
     if config == "lru-py":
         return build_cache(**kw)
     if config == "lru-rust":
@@ -400,7 +409,7 @@ def run_cell(config, kv_size, mamba_size, info: TraceInfo, chunk, profile, bar, 
     from sglang_marconi.serving.admission import chunk_end_for_branch
 
     cell = Cell(config, kv_size, mamba_size)
-    cc = build(config, kv_size, mamba_size, max(4096, 2 * info.longest), extra_buffer)
+    cc = build(config, kv_size, mamba_size, max(4096, 2 * info.longest), extra_buffer, chunk)
     cell.backend = cc.cache._tree_core_backend
     probe = Probe(cc, cell)
     chunk_end = chunk_end_for_branch if config.startswith("marconi") and config != "marconi-evict" else None
@@ -923,7 +932,7 @@ def host_step_bench(sizes, steps: int, seed: int, bar=None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small traces, two pool sizes (~25 s)")
-    ap.add_argument("--traces", default="agent,chat,mooncake,mooncake-blocks,stress")
+    ap.add_argument("--traces", default="agent,chat,mooncake,mooncake-blocks,stress,reasoning")
     ap.add_argument("--mamba-radix-cache-strategy", default="no_buffer,extra_buffer",
                     help="SGLang's Mamba cache strategies to run: no_buffer, extra_buffer (the GPU default), or both")
     ap.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens (0: no chunking)")

@@ -458,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="a trace file the simulator reads (Marconi JSONL, Mooncake)")
-    src.add_argument("--workload", help="synthetic:KIND[:key=value,...]")
+    src.add_argument("--workload", help="synthetic:KIND[:key=value,...] or stress:KIND[:key=value,...]")
     p.add_argument("--mooncake-tokens", default="conversation", choices=("conversation", "blocks"))
     p.add_argument("--model", default="nemotron-h-8b", help="profile pricing FLOPs and bytes (default nemotron-h-8b)")
     p.add_argument("--kv-tokens", type=int, required=True, help="the KV pool, in token slots")

@@ -21,7 +21,8 @@ Where the branch state comes from depends on SGLang's Mamba radix-cache strategy
   position at or before the branch, which is the branch itself when it sits on that grid. A
   checkpoint admits its tracked state when it is at or before the branch and no later extend can
   snapshot one closer (they start at the checkpoint's end and snapshot a chunk or more in): the
-  latest tracked state before the branch, never fewer than upstream keeps there.
+  latest tracked state before the branch, never fewer than upstream keeps there. Two-pass prefill
+  ends the extend that snapshots the branch at it, so the input's last extend has its own snapshot.
 The tokens between the branch and the admitted state are counted (`grid_lost_tokens`).
 
 Probation (`--marconi-probation on`, the default): a prefix that recurs exactly twice in a row (a
@@ -31,12 +32,15 @@ So the checkpoint at the end of a request's input (its last prefill extend) also
 it offers, as a *probationary* state: only into a free Mamba slot or one freed from another
 probationary state, evicted before any other state under Mamba pressure (oldest first), and
 confirmed (a regular state from then on) by a match that reuses it or a regular state committed
-on its node (`policy/rules/probation.ProbationRegistry`). Its room is reserved by an eviction call that may take
-probationary states only (`EvictionWalk.probation_only`, carried by the `EvictParams` it passes): under
-one byte budget too, where it must not take KV bytes, it never displaces a regular state or a KV leaf. In extra_buffer mode the state offered there is the
-extend's last snapshot; a request that tracks none after it (a decode shorter than the snapshot
-grid) has no other final state, so at finish that one is confirmed as its final state. The policy
-core's `HybridPrefixCache(probation=True)` models the same, and the runtime's shadow caches run with it.
+on its node (`policy/rules/probation.ProbationRegistry`). In extra_buffer mode a last extend shorter
+than a snapshot step snapshots nothing, so the checkpoint before it offers the input's end state
+(`branch_grid.snapshot_carries_to_input_end`): its snapshot is not taken as a backtrack state.
+Its room is reserved by an eviction call that may take probationary states only
+(`EvictionWalk.probation_only`, carried by the `EvictParams` it passes): under one byte budget too,
+where it must not take KV bytes, it never displaces a regular state or a KV leaf. In extra_buffer
+mode the state offered there is the extend's last snapshot; a request that tracks none after it (a
+decode shorter than the snapshot grid) has no other final state, so at finish that one is confirmed
+as its final state. The policy core's `HybridPrefixCache(probation=True)` models the same, and the runtime's shadow caches run with it.
 
 Backtrack states (`policy/rules/backtrack_states.py`, with probation): a request that replays a long
 stretch also keeps, on probation, up to B states at the chunk ends its prefill checkpoints anyway,
@@ -85,8 +89,9 @@ def chunk_end_for_branch(req, proposed_end: int, snapshot_step: int | None = Non
     only a whole number of steps into an extend (`start + k * step`, k >= 1), so an extend that
     starts at the hit rarely has one at the branch. The chunk is ended where the next extend starts
     a whole number of steps before the branch: at `branch - step` when that extend would reach the
-    branch, else `step`-aligned with it, below the proposed end. The chunk count grows by at most
-    one (less where the prompt is chunked anyway). Impossible when the branch is less than one step
+    branch, else `step`-aligned with it, below the proposed end; the extend that then snapshots the
+    branch ends at it, so that the last one snapshots near the input's end. The chunk count grows by
+    at most two (less where the prompt is chunked anyway). Impossible when the branch is less than one step
     past the hit (no extend can start between them): the end stays, and the latest snapshot before
     the branch is taken instead (`tracked_position_for_branch`)."""
     return branch_grid.chunk_end(branch_position(req), req.prefix_len, proposed_end, snapshot_step)
@@ -290,7 +295,9 @@ def admission_mixin():
             but probationary states."""
             rule = self._marconi_backtrack_rule()
             n_in = len(req.origin_input_ids)
-            if rule is None or checkpoint_end >= n_in:
+            step = self.mamba_cache_chunk_size if self.cache.enable_mamba_extra_buffer else None
+            if rule is None or checkpoint_end >= n_in \
+                    or branch_grid.snapshot_carries_to_input_end(checkpoint_end, n_in, step):
                 return False
             if not rule.admits(position, req.kv.cache_protected_len, record.resumed_at, n_in, record.taken,
                                record.offered, prefill_chunk(), self.marconi.settings.profile.prefill_flops):

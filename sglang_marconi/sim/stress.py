@@ -9,6 +9,12 @@ first sight of one finds no state there.
 retried step, a template that strips earlier reasoning): each step extends the trajectory at a
 message boundary, and with probability `backtrack` it first drops back to an earlier boundary
 (uniformly chosen). Several trajectories interleave, sharing one system prompt.
+
+`reasoning_chat`: a reasoning model's conversations whose chat template drops each answer's reasoning
+from the history (as DeepSeek-R1's and Qwen3's thinking templates do): a turn decodes reasoning, then
+its answer, and the next turn's input is the previous input, the answer alone and a new user message.
+So every next turn leaves the cached sequence right where the previous input ended: the state a turn
+resumes from must have been kept at the end of its predecessor's input, not after its decode.
 """
 
 from __future__ import annotations
@@ -88,3 +94,37 @@ def agent_backtrack(sessions: int = 8, steps: int = 40, *, backtrack: float = 0.
                                 np.asarray(answer, dtype=np.int64)))
         turns[s] += 1
     return ListWorkload(f"agent-backtrack:{sessions}x{steps},p={backtrack:g}", requests)
+
+
+def reasoning_chat(sessions: int = 12, turns: int = 10, *, system: int = 400, user: tuple[int, int] = (50, 400),
+                   reasoning: tuple[int, int] = (100, 400), answer: tuple[int, int] = (50, 300),
+                   vocab: int = 32000, seed: int = 3) -> ListWorkload:
+    """`sessions` conversations of `turns` turns each behind one `system` prompt, interleaved in a
+    seeded random order. A turn's input is the system prompt, then per earlier turn its user message
+    and its answer, then a new user message (`user` tokens, uniform); it decodes `reasoning` tokens,
+    then `answer` tokens (uniform), and only the answer goes into the next turn's history."""
+    for name, (lo, hi) in (("user", user), ("reasoning", reasoning), ("answer", answer)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must be a range 1 <= lo <= hi, got {(lo, hi)!r}")
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randint(1, vocab) for _ in range(n)]
+
+    prompt = tokens(system)
+    history = [list(prompt) for _ in range(sessions)]
+    order = [s for s in range(sessions) for _ in range(turns)]
+    rng.shuffle(order)
+    fresh = vocab + 1
+    turn = [0] * sessions
+    requests = []
+    for i, s in enumerate(order):
+        inp = history[s] + tokens(rng.randint(*user))
+        think, said = rng.randint(*reasoning), rng.randint(*answer)
+        out = list(range(fresh, fresh + think + said))
+        fresh += think + said
+        history[s] = inp + out[think:]
+        requests.append(Request(f"reasoning-{s}", turn[s], float(i), np.asarray(inp, dtype=np.int64),
+                                np.asarray(out, dtype=np.int64)))
+        turn[s] += 1
+    return ListWorkload(f"reasoning-chat:{sessions}x{turns}", requests)

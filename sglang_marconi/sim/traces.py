@@ -344,11 +344,40 @@ _SYNTHETIC_PARAMS = {
 }
 
 
+# `stress:KIND[:key=value,...]`: the generators of `sim/stress.py` and the parameters each takes
+_STRESS_PARAMS = {
+    "chain-fanout": {"n": int, "chunk": int, "output_tokens": int, "seed": int},
+    "agent-backtrack": {"sessions": int, "steps": int, "backtrack": float, "system": int, "task": int,
+                        "max_input": int, "seed": int},
+    "reasoning-chat": {"sessions": int, "turns": int, "system": int, "seed": int},
+}
+
+
 def load_workload(spec: str, mooncake_tokens: str = "conversation") -> Workload:
-    """A CLI workload spec: a trace path, `synthetic:KIND` or `synthetic:KIND:key=value,...`."""
+    """A CLI workload spec: a trace path, `synthetic:KIND`, `synthetic:KIND:key=value,...`, or
+    `stress:KIND[:key=value,...]` (`sim/stress.py`: chain-fanout, agent-backtrack, reasoning-chat)."""
+    if spec.startswith("stress:"):
+        return _stress_workload(spec)
     if not spec.startswith("synthetic:"):
         return load_trace(spec, mooncake_tokens)
     from sglang_marconi.sim.synthetic import generate
 
     kind, _, params = spec[len("synthetic:") :].partition(":")
     return generate(kind, **parse_params(f"workload spec {spec!r}", params, _SYNTHETIC_PARAMS))
+
+
+def _stress_workload(spec: str) -> Workload:
+    from sglang_marconi.sim import stress
+
+    kind, _, params = spec[len("stress:") :].partition(":")
+    if kind not in _STRESS_PARAMS:
+        raise MarconiError(f"workload spec {spec!r}: unknown stress kind {kind!r}; known: {list(_STRESS_PARAMS)}")
+    kwargs = parse_params(f"workload spec {spec!r}", params, _STRESS_PARAMS[kind])
+    make = {"chain-fanout": stress.chain_fanout, "agent-backtrack": stress.agent_backtrack,
+            "reasoning-chat": stress.reasoning_chat}[kind]
+    if kind == "chain-fanout":
+        kwargs.setdefault("n", 600)
+    try:
+        return make(**kwargs)
+    except ValueError as exc:
+        raise MarconiError(f"workload spec {spec!r}: {exc}") from None

@@ -68,6 +68,23 @@ def backtrack_hits(extra_buffer: bool, backtrack: int):
     return hits, admitted
 
 
+def test_a_chunk_end_less_than_a_step_before_the_input_end_is_the_input_end_state():
+    """extra_buffer, chunks of 128: the second turn resumes at 896 and runs [896, 1024), then
+    [1024, 1059), 35 tokens, which snapshot nothing. So 1,024 is that turn's input-end state (on
+    probation), not a backtrack state, and the third turn, which leaves the tree at 1,059 (as a
+    reasoning model's next turn does, its history without the decoded reasoning), resumes there:
+    a match may not resume at a backtrack state less than a step before where it leaves the
+    tree, and would go back to 896. Long decodes, so each turn's final state is its own."""
+    pair = Pair(True, 3)
+    first = SYSTEM + list(range(1000, 1800))  # 900 tokens
+    second = first + list(range(70000, 70159))  # 1,059
+    third = second + list(range(80000, 80200))
+    hits = [pair.serve(tokens, list(range(60000 + 1000 * i, 60300 + 1000 * i)))
+            for i, tokens in enumerate((first, second, third))]
+    pair.close()
+    assert hits == [(0, 0), (896, 896), (1024, 1024)]
+
+
 @pytest.mark.parametrize("extra_buffer", [False, True])
 def test_a_return_to_an_earlier_point_lands_near_it(extra_buffer):
     (served_off, sim_off), none = backtrack_hits(extra_buffer, 0)

@@ -209,6 +209,35 @@ def test_extra_buffer_branch_less_than_a_step_past_the_hit_is_not_cut_for(hooks)
     assert serve(cc, x[:620] + list(range(61000, 61100)), 1)[0] == 576
 
 
+def reasoning_turns(cc, user_lens, reasoning=40):
+    """A conversation with a reasoning model whose template drops each answer's reasoning from the
+    history: every turn's input is the previous input, then fresh tokens (the answer without its
+    reasoning, and the next user message), so it leaves the cached sequence where the previous
+    input ended. Returns [(hit, previous input's length)] per turn."""
+    history, out, fresh = list(SYSTEM), [], 100_000
+    for n in user_lens:
+        tokens = history + list(range(fresh, fresh + n))
+        fresh += n
+        hit, _ = serve(cc, tokens, reasoning)
+        out.append((hit, len(history)))
+        history = tokens
+    return out
+
+
+def test_extra_buffer_keeps_the_state_at_each_turns_input_end_next_to_its_branch_state(hooks):
+    """A turn that resumes more than a step before its branch (the previous input's end) is cut a
+    step before the branch and again at it: the branch's extend snapshots the branch and the last
+    extend its own last step, near the input's end, where the next turn leaves. (With the last
+    extend running from a step before the branch to the end, its one snapshot went to the branch,
+    and every turn resumed two inputs back.)"""
+    cc = marconi_xbuf()
+    serve(cc, SYSTEM + list(range(900_000, 900_300)), 40)  # another conversation: the first turn branches at 1,000
+    turns = reasoning_turns(cc, [300, 300, 300, 300, 300])
+    assert turns[0][0] == 0  # no state at the system prompt's end yet: cut at 936, and at 1,000
+    for hit, previous_input in turns[1:]:
+        assert previous_input - 64 < hit <= previous_input, turns
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_extra_buffer_keeps_no_fewer_reusable_states_before_the_branch_than_upstream(hooks, seed):
     """Same first request in both caches (one extend, no decode: both keep its one snapshot), then a second

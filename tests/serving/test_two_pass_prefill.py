@@ -416,11 +416,13 @@ def test_a_fault_in_admission_falls_back_to_upstreams_checkpoints(monkeypatch, c
     cc.check_no_leak()
 
 
-def test_extra_buffer_ends_the_chunk_one_snapshot_step_before_the_branch():
-    """extra_buffer: SGLang snapshots a state a whole number of 64-token steps into an extend. The
-    second request (hit 0, branch at 1,000) is admitted for [0, 936) only, so its next extend,
-    [936, 1200), has the branch one step in. (The first request runs through `run_request`, which
-    plays the forward pass's snapshot; the hits are checked in test_sglang_admission.py.)"""
+def test_extra_buffer_ends_the_chunk_one_snapshot_step_before_the_branch_and_at_it():
+    """extra_buffer: SGLang snapshots one state per extend, a whole number of 64-token steps into
+    it. The second request (hit 0, branch at 1,000) is admitted for [0, 936) only, so its next
+    extend has the branch one step in; that extend ends at the branch, so the last one, [1000,
+    1200), snapshots near the input's end (1,192) instead of spending its one snapshot on the
+    branch. (The first request runs through `run_request`, which plays the forward pass's
+    snapshot; the hits are checked in test_sglang_admission.py.)"""
     cc = marconi(extra_buffer=True, mamba_size=64)
     run_request(cc, SYSTEM + list(range(5000, 5200)), 1)
     assert state_depths(cc) == [1152]  # its extend's last 64k snapshot, its final state
@@ -429,5 +431,7 @@ def test_extra_buffer_ends_the_chunk_one_snapshot_step_before_the_branch():
     adder, batch = s.round()
     assert req.mamba_branching_seqlen == 1000 and batch.extend_num_tokens == 936 and s.chunked_req is req
     assert two_pass(cc).splits == 1
-    adder, batch = s.round()  # the continuation, from one grid step before the branch to the end
-    assert batch.extend_num_tokens == 1200 - 936 and req.finished()
+    adder, batch = s.round()  # one grid step, from before the branch to it: snapshots the branch
+    assert batch.extend_num_tokens == 64 and s.chunked_req is req and two_pass(cc).continuation_splits == 1
+    adder, batch = s.round()  # from the branch to the end
+    assert batch.extend_num_tokens == 1200 - 1000 and req.finished()

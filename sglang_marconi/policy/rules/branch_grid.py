@@ -8,11 +8,16 @@ with its own. One rule, written once. Engine-free.
 - no_buffer (`step` None): a state exists only at the end of an extend, so the chunk that would run
   past the branch ends at it.
 - extra_buffer (`step`: SGLang's snapshot grid, `mamba_cache_chunk_size`, 64): the forward pass
-  snapshots a state only a whole number of steps into an extend (`start + k * step`, k >= 1). The
+  snapshots one state per extend, a whole number of steps into it (`start + k * step`, k >= 1). The
   chunk is ended where the next extend starts a whole number of steps before the branch (at
-  `branch - step` when that extend would reach the branch), impossible when the branch is less than
-  one step past the extend's start: then the extend containing the branch snapshots the last
-  `start + k * step` at or before it (`tracked_position`).
+  `branch - step` when that extend would reach the branch), and that extend ends at the branch, so
+  that the one after it snapshots its own last step, near the input's end (where a reasoning
+  model's next turn, its history without the decoded reasoning, leaves the tree). Impossible when
+  the branch is less than one step past the extend's start: then the extend containing the branch
+  snapshots the last `start + k * step` at or before it (`tracked_position`).
+- The input's end state in extra_buffer: a last extend shorter than a step snapshots nothing, so
+  the state the checkpoint before it offers is carried to the input's end
+  (`snapshot_carries_to_input_end`).
 """
 
 from __future__ import annotations
@@ -25,8 +30,12 @@ def chunk_end(branch: int | None, start: int, proposed_end: int, step: int | Non
         return proposed_end
     if step is None:
         return branch if branch < proposed_end else proposed_end
-    if branch - start < step or ((branch - start) % step == 0 and branch <= proposed_end):
-        return proposed_end  # impossible, or tracked as it is
+    if branch - start < step:
+        return proposed_end  # impossible
+    if (branch - start) % step == 0:
+        # tracked as it is; ended there, so that the next extend can snapshot its own last step,
+        # near the input's end (one snapshot per extend)
+        return branch if branch < proposed_end else proposed_end
     if branch - step < proposed_end:
         cut = branch - step  # the next extend snapshots the branch one step in
     else:
@@ -56,6 +65,14 @@ def admits_branch_state(branch: int | None, position: int | None, checkpoint_end
     if step is not None:
         return position == branch or branch - checkpoint_end < step
     return position == (branch if cut is None else cut)
+
+
+def snapshot_carries_to_input_end(checkpoint_end: int, input_len: int, step: int | None) -> bool:
+    """extra_buffer: does the state a checkpoint before the input's end offers carry over to the
+    input's end? The rest of the prefill (`checkpoint_end` to `input_len`) is one extend shorter
+    than a step, which snapshots nothing, so the checkpoint at the input's end offers this same
+    state: it is the input's end state, not a chunk-end one. no_buffer (`step` None): never."""
+    return step is not None and checkpoint_end < input_len < checkpoint_end + step
 
 
 def branch_position(full_kv_match: int, resumed_at: int, page: int = 1) -> int | None:

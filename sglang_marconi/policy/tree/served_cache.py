@@ -402,6 +402,7 @@ class ServedCache(PoolTree):
             probationary = (not admits and self.probation and position is not None and position > 0
                             and token_len == req.n_in and self._reserve_slot(probation_only=True))
             backtrack = (not admits and not probationary and token_len < req.n_in and self.backtrack is not None
+                         and not branch_grid.snapshot_carries_to_input_end(token_len, req.n_in, step)
                          and self.backtrack.admits(position, req.protected, req.resumed_at, req.n_in,
                                                    req.backtrack_taken, req.offered, pools.chunk_size, self.flops)
                          and self._reserve_slot(probation_only=True))

@@ -94,7 +94,8 @@ def chunk_end_for_branch(req, proposed_end: int, snapshot_step: int | None = Non
     at most two (less where the prompt is chunked anyway). Impossible when the branch is less than one step
     past the hit (no extend can start between them): the end stays, and the latest snapshot before
     the branch is taken instead (`tracked_position_for_branch`)."""
-    return branch_grid.chunk_end(branch_position(req), req.prefix_len, proposed_end, snapshot_step)
+    return branch_grid.chunk_end(branch_position(req), req.prefix_len, proposed_end, snapshot_step,
+                                 len(req.origin_input_ids))
 
 
 def tracked_position_for_branch(req, step: int) -> int | None:

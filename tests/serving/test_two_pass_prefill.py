@@ -419,19 +419,34 @@ def test_a_fault_in_admission_falls_back_to_upstreams_checkpoints(monkeypatch, c
 def test_extra_buffer_ends_the_chunk_one_snapshot_step_before_the_branch_and_at_it():
     """extra_buffer: SGLang snapshots one state per extend, a whole number of 64-token steps into
     it. The second request (hit 0, branch at 1,000) is admitted for [0, 936) only, so its next
-    extend has the branch one step in; that extend ends at the branch, so the last one, [1000,
-    1200), snapshots near the input's end (1,192) instead of spending its one snapshot on the
-    branch. (The first request runs through `run_request`, which plays the forward pass's
-    snapshot; the hits are checked in test_sglang_admission.py.)"""
+    extend has the branch one step in; with 300 tokens to go past the branch (at least
+    `INPUT_END_STEPS` steps), that extend ends at the branch, so the last one, [1000, 1300),
+    snapshots near the input's end instead of spending its one snapshot on the branch. (The first
+    request runs through `run_request`, which plays the forward pass's snapshot; the hits are
+    checked in test_sglang_admission.py.)"""
     cc = marconi(extra_buffer=True, mamba_size=64)
     run_request(cc, SYSTEM + list(range(5000, 5200)), 1)
     assert state_depths(cc) == [1152]  # its extend's last 64k snapshot, its final state
     s = Scheduler(cc)
-    req = s.submit(SYSTEM + list(range(6000, 6200)))
+    req = s.submit(SYSTEM + list(range(6000, 6300)))
     adder, batch = s.round()
     assert req.mamba_branching_seqlen == 1000 and batch.extend_num_tokens == 936 and s.chunked_req is req
     assert two_pass(cc).splits == 1
     adder, batch = s.round()  # one grid step, from before the branch to it: snapshots the branch
     assert batch.extend_num_tokens == 64 and s.chunked_req is req and two_pass(cc).continuation_splits == 1
     adder, batch = s.round()  # from the branch to the end
-    assert batch.extend_num_tokens == 1200 - 1000 and req.finished()
+    assert batch.extend_num_tokens == 1300 - 1000 and req.finished()
+
+
+def test_extra_buffer_does_not_end_the_chunk_at_the_branch_when_the_input_stops_soon_after_it():
+    """200 tokens past the branch (fewer than `INPUT_END_STEPS` steps): one extend from a step
+    before the branch to the end, its one snapshot at the branch (an input-end state there would
+    save little replay for the Mamba slot it takes)."""
+    cc = marconi(extra_buffer=True, mamba_size=64)
+    run_request(cc, SYSTEM + list(range(5000, 5200)), 1)
+    s = Scheduler(cc)
+    req = s.submit(SYSTEM + list(range(6000, 6200)))
+    adder, batch = s.round()
+    assert batch.extend_num_tokens == 936 and s.chunked_req is req
+    adder, batch = s.round()
+    assert batch.extend_num_tokens == 1200 - 936 and req.finished()

@@ -10,9 +10,10 @@ with its own. One rule, written once. Engine-free.
 - extra_buffer (`step`: SGLang's snapshot grid, `mamba_cache_chunk_size`, 64): the forward pass
   snapshots one state per extend, a whole number of steps into it (`start + k * step`, k >= 1). The
   chunk is ended where the next extend starts a whole number of steps before the branch (at
-  `branch - step` when that extend would reach the branch), and that extend ends at the branch, so
-  that the one after it snapshots its own last step, near the input's end (where a reasoning
-  model's next turn, its history without the decoded reasoning, leaves the tree). Impossible when
+  `branch - step` when that extend would reach the branch). Where the input runs on at least
+  `INPUT_END_STEPS` steps past the branch, that extend ends at the branch, so that the one after it
+  snapshots its own last step, near the input's end (where a reasoning model's next turn, its
+  history without the decoded reasoning, leaves the tree). Impossible when
   the branch is less than one step past the extend's start: then the extend containing the branch
   snapshots the last `start + k * step` at or before it (`tracked_position`).
 - The input's end state in extra_buffer: a last extend shorter than a step snapshots nothing, so
@@ -23,9 +24,17 @@ with its own. One rule, written once. Engine-free.
 from __future__ import annotations
 
 
-def chunk_end(branch: int | None, start: int, proposed_end: int, step: int | None = None) -> int:
+# extra_buffer: the extend that snapshots the branch ends at it only when the input runs on at least
+# this many snapshot steps past the branch: the input's end state then saves that much replay per
+# return to it, for the Mamba slot it takes (a request keeps two states instead of one).
+INPUT_END_STEPS = 4
+
+
+def chunk_end(branch: int | None, start: int, proposed_end: int, step: int | None = None,
+              input_end: int | None = None) -> int:
     """Where to end the prefill chunk [start, proposed_end) so that the branch's state is kept
-    exactly (see the module docstring); `proposed_end` when nothing is to be cut."""
+    exactly (see the module docstring); `proposed_end` when nothing is to be cut. `input_end`: the
+    input's length, which decides whether the extend that snapshots the branch ends at it."""
     if branch is None or branch <= start:
         return proposed_end
     if step is None:
@@ -33,9 +42,10 @@ def chunk_end(branch: int | None, start: int, proposed_end: int, step: int | Non
     if branch - start < step:
         return proposed_end  # impossible
     if (branch - start) % step == 0:
-        # tracked as it is; ended there, so that the next extend can snapshot its own last step,
-        # near the input's end (one snapshot per extend)
-        return branch if branch < proposed_end else proposed_end
+        # tracked as it is; ended there when the input goes on long enough, so that the next
+        # extend can snapshot its own last step, near the input's end (one snapshot per extend)
+        split = input_end is not None and input_end - branch >= INPUT_END_STEPS * step
+        return branch if split and branch < proposed_end else proposed_end
     if branch - step < proposed_end:
         cut = branch - step  # the next extend snapshots the branch one step in
     else:

@@ -294,7 +294,7 @@ class ServedCache(PoolTree):
         first = True
         while True:
             end = n_in if pools.chunk_size is None else min(req.prefix_len + pools.chunk_size, n_in)
-            end = branch_grid.chunk_end(req.branch, req.prefix_len, end, step)
+            end = branch_grid.chunk_end(req.branch, req.prefix_len, end, step, n_in)
             self._extend(req, end, best if first else None)
             first = False
             if extra:

@@ -199,3 +199,31 @@ def test_load_workload_specs(tmp_path):
         load_workload("synthetic:chess")
     with pytest.raises(TraceError, match="no such trace file"):
         load_workload(str(tmp_path / "missing.jsonl"))
+
+
+def test_stress_workloads_load_by_spec_and_bad_specs_name_the_value():
+    from sglang_marconi.sim.traces import load_workload
+
+    assert len(load_workload("stress:chain-fanout:n=40")) == 40
+    assert len(load_workload("stress:agent-backtrack:sessions=2,steps=5")) == 10
+    assert len(load_workload("stress:reasoning-chat:sessions=3,turns=4")) == 12
+    with pytest.raises(MarconiError, match="unknown stress kind 'nope'"):
+        load_workload("stress:nope")
+    with pytest.raises(MarconiError, match="'sessions' needs an integer, got 'x'"):
+        load_workload("stress:reasoning-chat:sessions=x")
+    with pytest.raises(MarconiError, match="backtrack must be a probability"):
+        load_workload("stress:agent-backtrack:backtrack=2")
+
+
+def test_a_reasoning_chat_turn_extends_the_previous_input_but_not_its_decoded_reasoning():
+    from sglang_marconi.sim.stress import reasoning_chat
+
+    last = {}
+    for r in reasoning_chat(sessions=3, turns=5, seed=1):
+        previous = last.get(r.session_id)
+        if previous is not None:
+            inp, out = previous
+            assert np.array_equal(r.input_tokens[: len(inp)], inp)  # the previous input, whole
+            assert r.input_tokens[len(inp)] != out[0]  # then the answer alone, not the reasoning
+            assert any(np.array_equal(r.input_tokens[len(inp): len(inp) + k], out[-k:]) for k in range(1, len(out)))
+        last[r.session_id] = (r.input_tokens, r.output_tokens)

@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_marconi.plan", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="your trace: a Mooncake block-hash JSONL or the Marconi authors' JSONL")
-    src.add_argument("--workload", help="synthetic:KIND[:key=value,...] or stress:KIND[:key=value,...] instead of a trace")
+    src.add_argument("--workload", help="synthetic:KIND[:key=value,...] or stress:KIND[:key=value,...] "
+                                        "instead of a trace")
     p.add_argument("--mooncake-tokens", default="conversation", choices=MOONCAKE_TOKEN_MODES,
                    help="how a Mooncake trace's block ids become tokens (as the simulator's flag)")
     p.add_argument("--model", required=True, help="built-in profile name or a config.json path")

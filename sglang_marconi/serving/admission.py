@@ -21,8 +21,9 @@ Where the branch state comes from depends on SGLang's Mamba radix-cache strategy
   position at or before the branch, which is the branch itself when it sits on that grid. A
   checkpoint admits its tracked state when it is at or before the branch and no later extend can
   snapshot one closer (they start at the checkpoint's end and snapshot a chunk or more in): the
-  latest tracked state before the branch, never fewer than upstream keeps there. Two-pass prefill
-  ends the extend that snapshots the branch at it, so the input's last extend has its own snapshot.
+  latest tracked state before the branch, never fewer than upstream keeps there. Where the input
+  goes on `branch_grid.INPUT_END_STEPS` steps or more past the branch, two-pass prefill ends the
+  extend that snapshots the branch at it, so the input's last extend has a snapshot of its own.
 The tokens between the branch and the admitted state are counted (`grid_lost_tokens`).
 
 Probation (`--marconi-probation on`, the default): a prefix that recurs exactly twice in a row (a
@@ -40,7 +41,8 @@ Its room is reserved by an eviction call that may take probationary states only
 where it must not take KV bytes, it never displaces a regular state or a KV leaf. In extra_buffer
 mode the state offered there is the extend's last snapshot; a request that tracks none after it (a
 decode shorter than the snapshot grid) has no other final state, so at finish that one is confirmed
-as its final state. The policy core's `HybridPrefixCache(probation=True)` models the same, and the runtime's shadow caches run with it.
+as its final state. The policy core's `HybridPrefixCache(probation=True)` models the same, and the
+runtime's shadow caches run with it.
 
 Backtrack states (`policy/rules/backtrack_states.py`, with probation): a request that replays a long
 stretch also keeps, on probation, up to B states at the chunk ends its prefill checkpoints anyway,
@@ -89,11 +91,12 @@ def chunk_end_for_branch(req, proposed_end: int, snapshot_step: int | None = Non
     only a whole number of steps into an extend (`start + k * step`, k >= 1), so an extend that
     starts at the hit rarely has one at the branch. The chunk is ended where the next extend starts
     a whole number of steps before the branch: at `branch - step` when that extend would reach the
-    branch, else `step`-aligned with it, below the proposed end; the extend that then snapshots the
-    branch ends at it, so that the last one snapshots near the input's end. The chunk count grows by
-    at most two (less where the prompt is chunked anyway). Impossible when the branch is less than one step
-    past the hit (no extend can start between them): the end stays, and the latest snapshot before
-    the branch is taken instead (`tracked_position_for_branch`)."""
+    branch, else `step`-aligned with it, below the proposed end; where the input goes on
+    `INPUT_END_STEPS` steps or more past the branch, the extend that then snapshots the branch ends
+    at it, so that the last one snapshots near the input's end. The chunk count grows by at most two
+    (less where the prompt is chunked anyway). Impossible when the branch is less than one step past
+    the hit (no extend can start between them): the end stays, and the latest snapshot before the
+    branch is taken instead (`tracked_position_for_branch`)."""
     return branch_grid.chunk_end(branch_position(req), req.prefix_len, proposed_end, snapshot_step,
                                  len(req.origin_input_ids))
 

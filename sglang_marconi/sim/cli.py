@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_marconi.sim", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", help="trace file: the Marconi authors' JSONL or a Mooncake block-hash JSONL")
-    src.add_argument("--workload", help=f"synthetic:KIND[:key=value,...] or stress:KIND[:key=value,...] (default {DEFAULT_WORKLOAD})")
+    src.add_argument("--workload", help="synthetic:KIND[:key=value,...] or stress:KIND[:key=value,...] "
+                                        f"(default {DEFAULT_WORKLOAD})")
     p.add_argument("--mooncake-tokens", default="conversation", choices=MOONCAKE_TOKEN_MODES,
                    help="how a Mooncake trace's block ids become tokens: 'conversation' (a next turn repeats "
                         "the previous turn's tail and reply) or 'blocks' (only full blocks are shared)")

@@ -13,9 +13,9 @@ with its own. One rule, written once. Engine-free.
   `branch - step` when that extend would reach the branch). Where the input runs on at least
   `INPUT_END_STEPS` steps past the branch, that extend ends at the branch, so that the one after it
   snapshots its own last step, near the input's end (where a reasoning model's next turn, its
-  history without the decoded reasoning, leaves the tree). Impossible when
-  the branch is less than one step past the extend's start: then the extend containing the branch
-  snapshots the last `start + k * step` at or before it (`tracked_position`).
+  history without the decoded reasoning, leaves the tree). Impossible when the branch is less than
+  one step past the extend's start: then the extend containing the branch snapshots the last
+  `start + k * step` at or before it (`tracked_position`).
 - The input's end state in extra_buffer: a last extend shorter than a step snapshots nothing, so
   the state the checkpoint before it offers is carried to the input's end
   (`snapshot_carries_to_input_end`).

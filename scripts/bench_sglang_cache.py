@@ -11,8 +11,8 @@ Each request goes through the scheduler's calls on SGLang 0.5.23's own objects (
 (`Req.init_next_round_input`, with the Mamba copy-on-write), lock, request/KV slot allocation
 (evicting as needed), prefill in chunks of `--chunk-size` tokens (`checkpoint_kv_cache` after each
 non-final chunk; Marconi ends a chunk where its branch state can be kept, `chunk_end_for_branch`:
-at the branch in no_buffer mode, a snapshot step before it and at it in extra_buffer mode), the first token,
-`checkpoint_kv_cache`, the decode KV (allocated in one call, not one per token: same memory, fewer
+at the branch in no_buffer mode, a snapshot step before it, and at it, in extra_buffer mode), the
+first token, `checkpoint_kv_cache`, the decode KV (allocated in one call, not one per token: same memory, fewer
 eviction calls), `release_kv_cache(checkpoint=True)`. One request at a time. In extra_buffer mode
 (SGLang's GPU default) the state each extend and each 64 decoded tokens snapshot is picked by
 SGLang's own bookkeeping (`ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend`), as the
@@ -28,8 +28,8 @@ outside the targets: no turn can extend its predecessor there); `stress` = chain
 off earlier sequences, shuffled, in the shape of SGLang's own radix-cache fuzz (`sim/stress.py`);
 `reasoning` = a reasoning model's conversations whose chat template drops each answer's reasoning from
 the history (`sim/stress.reasoning_chat`: every next turn leaves the cached sequence where its
-predecessor's input ended). Pool sizes: KV tokens = a fraction of the trace's infinite-cache footprint; Mamba slots = SGLang's
-default memory split (`--mamba-full-memory-ratio 0.9`) of that KV pool for the real model
+predecessor's input ended). Pool sizes: KV tokens = a fraction of the trace's infinite-cache
+footprint; Mamba slots = SGLang's default memory split (`--mamba-full-memory-ratio 0.9`) of that KV pool for the real model
 (nemotron-h-8b: one SSM state = 3,162 tokens of KV), counting KV at the trace's real length (see
 `pool_sizes`).
 

@@ -202,8 +202,6 @@ def test_load_workload_specs(tmp_path):
 
 
 def test_stress_workloads_load_by_spec_and_bad_specs_name_the_value():
-    from sglang_marconi.sim.traces import load_workload
-
     assert len(load_workload("stress:chain-fanout:n=40")) == 40
     assert len(load_workload("stress:agent-backtrack:sessions=2,steps=5")) == 10
     assert len(load_workload("stress:reasoning-chat:sessions=3,turns=4")) == 12

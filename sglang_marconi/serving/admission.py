@@ -274,15 +274,18 @@ def admission_mixin():
                 counters.grid_lost_tokens += branch_position(req) - cache_len
             return cache_len
 
+        def _marconi_snapshot_step(self) -> int | None:
+            """extra_buffer: the grid the forward pass snapshots states on; no_buffer: None."""
+            return self.mamba_cache_chunk_size if self.cache.enable_mamba_extra_buffer else None
+
         def _marconi_admits(self, req, state, position, checkpoint_end) -> bool:
             """Is the state at `position` (this checkpoint's, ending at `checkpoint_end`) the
             request's branch state? (`policy.branch_grid.admits_branch_state`: in extra_buffer mode
             later extends start at checkpoint_end and snapshot a chunk or more in, so none can land
             in (position, branch] once the branch is less than a chunk beyond it; in no_buffer mode,
             where two-pass prefill ended the chunk for the branch.)"""
-            step = self.mamba_cache_chunk_size if self.cache.enable_mamba_extra_buffer else None
-            return branch_grid.admits_branch_state(branch_position(req), position, checkpoint_end, step,
-                                                   state.branch_cut)
+            return branch_grid.admits_branch_state(branch_position(req), position, checkpoint_end,
+                                                   self._marconi_snapshot_step(), state.branch_cut)
 
         def _marconi_probation_admits(self, req, position, checkpoint_end) -> bool:
             """Keep the state at the end of the input on probation, if a Mamba slot can be had
@@ -299,7 +302,7 @@ def admission_mixin():
             but probationary states."""
             rule = self._marconi_backtrack_rule()
             n_in = len(req.origin_input_ids)
-            step = self.mamba_cache_chunk_size if self.cache.enable_mamba_extra_buffer else None
+            step = self._marconi_snapshot_step()
             if rule is None or checkpoint_end >= n_in \
                     or branch_grid.snapshot_carries_to_input_end(checkpoint_end, n_in, step):
                 return False

@@ -64,7 +64,7 @@ The class is built lazily (`admission_mixin()`) so importing this module needs n
 
 from __future__ import annotations
 
-from sglang_marconi.policy.rules import branch_grid
+from sglang_marconi.policy.rules import branch_grid, input_end_resume
 from sglang_marconi.policy.rules.backtrack_states import BacktrackMarks, backtrack_rule_of, default_setting
 from sglang_marconi.serving.cache_state import EvictionWalk, marconi_evict_params, request_state
 
@@ -212,6 +212,9 @@ def admission_mixin():
                 branch = branch_grid.branch_position(result.full_kv_hit_length,
                                                      result.device_prefix_len + result.host_hit_length,
                                                      self.cache.page_size)
+                if params.req is not None:  # the state it resumes at: one kept where an input ended?
+                    request_state(params.req).resumed_input_end = self._marconi_input_end_rule() and getattr(
+                        result.best_match_node, "_marconi_input_end", False)
                 return result._replace(mamba_branching_seqlen=branch)
             except Exception as exc:
                 self._unrecoverable("admission (branch position at match)", exc)
@@ -223,8 +226,12 @@ def admission_mixin():
                 return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
             state = request_state(req)
             insert_params.marconi = state  # the insert's commit hook reads the request's intent
-            state.probationary_insert = False
+            state.probationary_insert = state.input_end_insert = False
             if is_finished:
+                try:
+                    self._marconi_final_on_probation(req, state)
+                except Exception as exc:
+                    self._unrecoverable("admission (final state)", exc)
                 cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
                 # what the insert keeps is the finished sequence the depth rule's record holds
                 self._primary("admission (finished sequence recorded)", self.marconi.settings.finished,
@@ -243,6 +250,11 @@ def admission_mixin():
                 record = backtrack_record(req)
                 position = req.kv.mamba_last_track_seqlen if extra_buffer else token_ids_len
                 admits = self._marconi_admits(req, state, position, token_ids_len)
+                input_end_kept = not admits and input_end_resume.keeps_input_end_regular(
+                    state.resumed_input_end, token_ids_len, len(req.origin_input_ids), position)
+                admits = admits or input_end_kept
+                state.input_end_insert = input_end_resume.marks_input_end(False, token_ids_len,
+                                                                          len(req.origin_input_ids))
                 probationary = not admits and self._marconi_probation_admits(req, position, token_ids_len)
                 backtrack = (not admits and not probationary
                              and self._marconi_backtrack_admits(req, record, position, token_ids_len))
@@ -270,8 +282,11 @@ def admission_mixin():
             cache_len = super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
             if cache_len:
                 record.offered += 1
-                counters.branch_states_admitted += 1
-                counters.grid_lost_tokens += branch_position(req) - cache_len
+                if input_end_kept:
+                    counters.input_end_states_kept += 1
+                else:
+                    counters.branch_states_admitted += 1
+                    counters.grid_lost_tokens += branch_position(req) - cache_len
             return cache_len
 
         def _marconi_snapshot_step(self) -> int | None:
@@ -310,6 +325,19 @@ def admission_mixin():
                                record.offered, prefill_chunk(), self.marconi.settings.profile.prefill_flops):
                 return False
             return self._marconi_reserve_slot(probation_only=True)
+
+        def _marconi_input_end_rule(self) -> bool:
+            """Does this cache run `policy.rules.input_end_resume` (with probation)?"""
+            return input_end_resume.applies(self.marconi.settings.probation)
+
+        def _marconi_final_on_probation(self, req, state) -> None:
+            """A request that resumed at an input-end state inserts its final state on probation;
+            the backtrack marks then learn that state is not a backtrack one (cleanup)."""
+            if not input_end_resume.final_on_probation(state.resumed_input_end):
+                return
+            state.probationary_insert = True
+            record = backtrack_record(req)
+            record.inserting, record.probation_before = False, state.probation_node
 
         def _marconi_backtrack_rule(self):
             """The backtrack rule in force: the config's setting, with probation (its states are

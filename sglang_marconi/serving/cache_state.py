@@ -27,6 +27,8 @@ class MarconiRequestState:
     probation_node: Any = None  # the node its input-end state went to on probation
     declined: bool = False  # its last checkpoint admitted no state (keep its tracked state)
     probationary_insert: bool = False  # the insert in progress carries a probationary state
+    input_end_insert: bool = False  # the insert in progress is its input-end checkpoint's
+    resumed_input_end: bool = False  # its match reused an input-end state (`rules/input_end_resume.py`)
 
 
 def request_state(req) -> MarconiRequestState:
@@ -55,6 +57,7 @@ class AdmissionCounters:
     grid_lost_tokens: int = 0  # sum over admitted branch states of branch position - admitted position
     probationary_admitted: int = 0  # states kept on probation at the end of an input, backtrack states included
     backtrack_admitted: int = 0  # backtrack states kept on probation at chunk ends (`rules/backtrack_states.py`)
+    input_end_states_kept: int = 0  # input-end states kept as regular ones (`rules/input_end_resume.py`)
 
 
 @dataclass

@@ -318,6 +318,8 @@ def _component_classes():
         def _state_committed(self, node, now, params, result) -> None:
             record_state_use(node, now)
             intent = getattr(params, "marconi", None)  # the inserting request's MarconiRequestState
+            if not result.mamba_exist:  # a new state: is it one where an input ended?
+                node._marconi_input_end = intent is not None and intent.input_end_insert
             if intent is not None and intent.probationary_insert:
                 if not result.mamba_exist:  # a new state, not a reuse of one already there
                     self.marconi.probation.add(node)

@@ -43,12 +43,13 @@ class PoolNode(Node):
     above it, `state_lock` its own state (a running request's reused state); `state_time` is when
     its state was last committed or reused (the recency ranked under state pressure)."""
 
-    __slots__ = ("state_lock", "state_time")
+    __slots__ = ("state_lock", "state_time", "input_end")
 
     def __init__(self, parent: Node | None, tokens: np.ndarray, end: int, node_id: int):
         super().__init__(parent, tokens, end, node_id)
         self.state_lock = 0
         self.state_time: float | None = None
+        self.input_end = False  # its state was kept where a request's input ended
 
 
 @dataclass(slots=True)

@@ -39,6 +39,8 @@ two Mamba strategies' tracking and admission, probation) and the value candidate
   backtrack states (`policy/rules/backtrack_states.py`, `ServedPools.backtrack_states`): up to B
   more at chunk ends of a long replay, on probation too; in extra_buffer a match does not resume at
   one of them less than a snapshot step before where its input leaves the tree (`bars_resume`).
+  A request that resumed at an input-end state keeps its own as a regular state
+  and its final state on probation (`policy/rules/input_end_resume.py`; `PoolNode.input_end`).
 
 `serve` returns the hit SGLang reports (`req.prefix_len` after the match). `ServedPools.scaled`
 shrinks the pools for a tuner's sampled shadows. `check_invariants` asserts the two ledgers and the
@@ -55,7 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sglang_marconi.policy.errors import MarconiError
-from sglang_marconi.policy.rules import branch_grid
+from sglang_marconi.policy.rules import branch_grid, input_end_resume
 from sglang_marconi.policy.rules import value as value_rule
 from sglang_marconi.policy.rules.backtrack_states import BacktrackMarks, backtrack_rule_of, default_setting
 from sglang_marconi.policy.rules.continuation import ContinuationRecord
@@ -132,6 +134,7 @@ class ServedCounters:
     final_states_admitted: int = 0
     probationary_admitted: int = 0
     backtrack_admitted: int = 0
+    input_end_states_kept: int = 0  # regular, by `rules/input_end_resume.py`
     skipped_no_slot: int = 0
 
 
@@ -158,6 +161,7 @@ class _Request:
     admitted: int = 0
     backtrack_taken: int = 0  # backtrack states offered to the tree (`rules/backtrack_states.py`)
     offered: int = 0  # states its checkpoints offered to the tree (inserted, new or not)
+    resumed_input_end: bool = False  # its match reused an input-end state (`rules/input_end_resume.py`)
 
 
 @dataclass
@@ -187,6 +191,8 @@ class ServedCache(PoolTree):
         rule = backtrack_rule_of(pools.backtrack_setting) if probation else None
         self.backtrack = rule if rule is not None and rule.applies(pools.mamba_slots, pools.request_slots) else None
         self.backtrack_marks = BacktrackMarks()  # which probationary states are backtrack states
+        # a turn that resumed at an input-end state keeps its own, its final state on probation
+        self.input_end_rule = input_end_resume.applies(probation)
         self.events: list[ServedEvent] | None = [] if record else None
         # Finished sequences, as far as each request's last insert kept it (`rules/continuation.py`):
         # kept from the first depth choice on, fed once per request at its release.
@@ -284,6 +290,7 @@ class ServedCache(PoolTree):
         best, full_hit = self._match_reused(seq[: n_in - 1], self._barred if self.backtrack_marks else None)
         hit = best.end
         req = _Request(n_in, hit, hit, hit, branch_grid.branch_position(full_hit, hit))
+        req.resumed_input_end = self.input_end_rule and best.has_state and best.input_end
         if best.has_state:
             if self.state_free < 1:
                 self.lock_reused(best)
@@ -382,8 +389,9 @@ class ServedCache(PoolTree):
         pools = self.pools
         extra = self._extra_buffer
         c = self.counters
-        probationary = False
+        probationary = backtrack = False
         if finished:
+            probationary = input_end_resume.final_on_probation(req.resumed_input_end)
             if extra:
                 cache_len = req.last_track or 0
             else:
@@ -399,6 +407,9 @@ class ServedCache(PoolTree):
             position = req.last_track if extra else token_len
             step = pools.snapshot_step if extra else None
             admits = branch_grid.admits_branch_state(req.branch, position, token_len, step)
+            input_end_kept = not admits and input_end_resume.keeps_input_end_regular(
+                req.resumed_input_end, token_len, req.n_in, position)
+            admits = admits or input_end_kept
             probationary = (not admits and self.probation and position is not None and position > 0
                             and token_len == req.n_in and self._reserve_slot(probation_only=True))
             backtrack = (not admits and not probationary and token_len < req.n_in and self.backtrack is not None
@@ -426,6 +437,8 @@ class ServedCache(PoolTree):
             req.offered += 1
             if probationary:
                 c.probationary_admitted += 1  # backtrack states included
+            elif input_end_kept:
+                c.input_end_states_kept += 1
             else:
                 c.branch_states_admitted += 1
             if backtrack:
@@ -452,6 +465,7 @@ class ServedCache(PoolTree):
                 self.backtrack_marks.mark(target, backtrack, self._probation)
         if not exists:
             req.admitted += 1
+            target.input_end = input_end_resume.marks_input_end(finished, token_len, req.n_in)
         if finished:
             self._release_request_slots(req, finished, inserted=not exists)
         else:
@@ -507,12 +521,15 @@ class ServedCache(PoolTree):
 
     def _same_rest(self, other: ServedCache, twin: dict) -> bool:
         """`same_contents` of two models of SGLang's cache: beyond the tree, the same pools and
-        choice, the same backtrack states on probation, and, under a depth choice, the same record."""
+        choice, the same backtrack states on probation, the same input-end states
+        (`rules/input_end_resume.py`) and, under a depth choice, the same record."""
         if self.pools != other.pools or self.choice != other.choice or not super()._same_rest(other, twin):
             return False
         probation = self._probation
         marked = {twin[n.id].id for n in self.backtrack_marks.nodes() if n in probation}
         if marked != {n.id for n in other.backtrack_marks.nodes() if n in other._probation}:
+            return False
+        if any(n.input_end != twin[n.id].input_end for n in self.tree.nodes() if n.has_state):
             return False
         return self.depth_rule is None or self.continuation.same_as(other.continuation)
 

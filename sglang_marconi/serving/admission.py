@@ -44,6 +44,12 @@ decode shorter than the snapshot grid) has no other final state, so at finish th
 as its final state. The policy core's `HybridPrefixCache(probation=True)` models the same, and the
 runtime's shadow caches run with it.
 
+Turns that resume at an input-end state (`policy/rules/input_end_resume.py`, extra_buffer, with
+probation): a reasoning model whose template drops the reasoning leaves each next turn where the
+previous input ended. The match marks a request whose reused state was inserted at an input's end
+(`node._marconi_input_end`, set when the state is committed); such a request keeps its own
+input-end state as a regular state and inserts its final state on probation.
+
 Backtrack states (`policy/rules/backtrack_states.py`, with probation): a request that replays a long
 stretch also keeps, on probation, up to B states at the chunk ends its prefill checkpoints anyway,
 spaced to cut the stretch into near-equal FLOP parts, never more states than upstream keeps for it;
@@ -327,8 +333,8 @@ def admission_mixin():
             return self._marconi_reserve_slot(probation_only=True)
 
         def _marconi_input_end_rule(self) -> bool:
-            """Does this cache run `policy.rules.input_end_resume` (with probation)?"""
-            return input_end_resume.applies(self.marconi.settings.probation)
+            """Does this cache run `policy.rules.input_end_resume` (extra_buffer, with probation)?"""
+            return input_end_resume.applies(self.cache.enable_mamba_extra_buffer, self.marconi.settings.probation)
 
         def _marconi_final_on_probation(self, req, state) -> None:
             """A request that resumed at an input-end state inserts its final state on probation;

@@ -16,9 +16,12 @@ its final state goes on probation (`final_on_probation`). Every other request is
 so a conversation that continues after its decode (it resumes at a final state) never turns the
 rule on, and a turn the rule misjudges still has its final state while there is free room.
 
-Both Mamba strategies run it. In no_buffer two-pass prefill ends a chunk at the branch, the
-previous input's end, so a turn that lost its predecessor's input-end state still keeps a branch
-state there; yet under Mamba pressure that state too sits among unused final states.
+Only in extra_buffer (`applies`), SGLang's GPU default: there an extend snapshots states on a
+fixed grid and a turn that lost its predecessor's input-end state resumes a chunk or more back. In
+no_buffer two-pass prefill ends a chunk at the branch, the previous input's end, so a branch state
+sits there anyway; at SGLang's default memory split the reasoning trace gains nothing from the rule
+there, while the stress harness loses 0.5 (alpha 0) to 2.3 points (tuned) with it
+(docs/benchmarks.md). It gains there only where the Mamba pool alone is short.
 
 Callers: the simulator's model of the served cache (`policy/tree/served_cache.py`) and the served
 admission (`serving/admission.py`), each with its own request's fields.
@@ -27,10 +30,10 @@ admission (`serving/admission.py`), each with its own request's fields.
 from __future__ import annotations
 
 
-def applies(probation: bool) -> bool:
-    """Whether a cache runs the rule: with probation (without it no input-end state is kept to
-    resume at, nor a final state put on probation)."""
-    return probation
+def applies(extra_buffer: bool, probation: bool) -> bool:
+    """Whether a cache runs the rule: extra_buffer, with probation (without it no input-end state
+    is kept to resume at, nor a final state put on probation)."""
+    return extra_buffer and probation
 
 
 def marks_input_end(finished: bool, checkpoint_end: int, input_len: int) -> bool:

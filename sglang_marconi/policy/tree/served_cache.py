@@ -39,7 +39,7 @@ two Mamba strategies' tracking and admission, probation) and the value candidate
   backtrack states (`policy/rules/backtrack_states.py`, `ServedPools.backtrack_states`): up to B
   more at chunk ends of a long replay, on probation too; in extra_buffer a match does not resume at
   one of them less than a snapshot step before where its input leaves the tree (`bars_resume`).
-  A request that resumed at an input-end state keeps its own as a regular state
+  In extra_buffer a request that resumed at an input-end state keeps its own as a regular state
   and its final state on probation (`policy/rules/input_end_resume.py`; `PoolNode.input_end`).
 
 `serve` returns the hit SGLang reports (`req.prefix_len` after the match). `ServedPools.scaled`
@@ -192,7 +192,7 @@ class ServedCache(PoolTree):
         self.backtrack = rule if rule is not None and rule.applies(pools.mamba_slots, pools.request_slots) else None
         self.backtrack_marks = BacktrackMarks()  # which probationary states are backtrack states
         # a turn that resumed at an input-end state keeps its own, its final state on probation
-        self.input_end_rule = input_end_resume.applies(probation)
+        self.input_end_rule = input_end_resume.applies(pools.extra_buffer, probation)
         self.events: list[ServedEvent] | None = [] if record else None
         # Finished sequences, as far as each request's last insert kept it (`rules/continuation.py`):
         # kept from the first depth choice on, fed once per request at its release.

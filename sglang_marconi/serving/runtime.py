@@ -357,7 +357,9 @@ class MarconiRuntime:
             "marconi_choice": self.settings.label,
             "marconi_shadow_scores": tuner.scores() if tuner is not None else {},
             "marconi_ssm_states_cached": _states_in_tree(cache),
-            "marconi_ssm_states_admitted": admission.final_states_admitted + admission.branch_states_admitted,
+            "marconi_ssm_states_admitted": (admission.final_states_admitted + admission.branch_states_admitted
+                                            + admission.input_end_states_kept),
+            "marconi_input_end_states_kept": admission.input_end_states_kept,
             "marconi_checkpoint_grid": self.checkpoint_grid,
             "marconi_evictions_leaf": counters.evictions_leaf,
             "marconi_evictions_single_child": counters.evictions_single_child,

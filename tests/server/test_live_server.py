@@ -138,6 +138,27 @@ def test_multi_turn_chat_reuses_the_previous_turn(server):
         prompt = prompt + g.output_ids + tokens(100 + turn, 25)
 
 
+def test_reasoning_turns_resume_where_the_previous_input_ended(server):
+    """A reasoning model's conversation whose template drops the decoded reasoning: each next turn is
+    the previous input, then fresh tokens (the answer, a new user message), so it leaves the tree
+    where the previous input ended. Every turn resumes less than a snapshot step before it (no_buffer:
+    there exactly, its probationary input-end state), and in extra_buffer each turn that resumed
+    at an input-end state keeps its own as a regular one (`policy/rules/input_end_resume.py`)."""
+    flush_cache(server.url)
+    before = marconi_figures(server.url)["marconi_input_end_states_kept"]
+    prompt, turns = tokens(8, 150), 4
+    for turn in range(turns):
+        g = generate(server.url, prompt, max_new_tokens=30)
+        if turn:
+            assert previous - SNAPSHOT < g.cached_tokens <= previous, (turn, g.cached_tokens, previous)
+            if server.strategy == "no_buffer":
+                assert g.cached_tokens == previous
+        previous = len(prompt)
+        prompt = prompt + tokens(500 + turn, 60)  # the output dropped from the history
+    kept = marconi_figures(server.url)["marconi_input_end_states_kept"] - before
+    assert kept == (0 if server.strategy == "no_buffer" else turns - 1), kept
+
+
 def test_shared_system_prompt_hits_from_the_third_request(server):
     flush_cache(server.url)
     grid = marconi_figures(server.url)["marconi_checkpoint_grid"]

@@ -95,3 +95,35 @@ def test_under_mamba_pressure_reasoning_conversations_keep_what_their_next_turns
     off, none = replay(workload, pools, False, monkeypatch)
     assert none == 0 and kept > 0
     assert on >= off + 3, (on, off)
+
+
+def regenerating_chat(sessions: int, turns: int, seed: int) -> list:
+    """An adversary of the rule: every turn is sent twice (a regenerated answer), and the next turn
+    continues the second answer. The second try resumes at the first's input-end state, so the rule
+    puts its final state, the one the next turn continues, on probation."""
+    from types import SimpleNamespace
+    import random
+
+    rng = random.Random(seed)
+    system = [rng.randint(1, 32000) for _ in range(400)]
+    history = [list(system) for _ in range(sessions)]
+    order = [s for s in range(sessions) for _ in range(turns)]
+    rng.shuffle(order)
+    fresh, requests = 40_000, []
+    for s in order:
+        prompt = history[s] + [rng.randint(1, 32000) for _ in range(rng.randint(50, 400))]
+        for _ in range(2):
+            n = rng.randint(150, 600)
+            out, fresh = list(range(fresh, fresh + n)), fresh + n
+            requests.append(SimpleNamespace(input_tokens=np.asarray(prompt), output_tokens=np.asarray(out)))
+        history[s] = prompt + out[:-1]
+    return requests
+
+
+@pytest.mark.parametrize("kv,mamba", [(400_000, 40), (400_000, 69), (30_000, 40)])
+def test_a_regenerated_turn_whose_answer_is_continued_loses_nothing(kv, mamba, monkeypatch):
+    workload = regenerating_chat(12, 8, seed=3)
+    pools = ServedPools(kv, mamba, "extra_buffer", 512)
+    on, kept = replay(workload, pools, True, monkeypatch)
+    off, _ = replay(workload, pools, False, monkeypatch)
+    assert kept > 0 and on >= off - 0.5, (on, off)

@@ -4,6 +4,7 @@ JSON and a PNG per workload to --out.
 
     python scripts/bench_policies.py [--out out/bench] [--quick] [--only swe-agent,mooncake,...]
     python scripts/bench_policies.py --suite dev|held-out|all [--quick]   # the robustness suite
+    python scripts/bench_policies.py --tuner guard_margin=1e9,live_guard=false ...   # the tuner with other settings
 
 Per cell: vLLM+, SGLang+, coverage (SGLang PR #38000's eviction rule), Marconi tuned online by
 shadow caches (`marconi`), the best fixed choice in hindsight (`marconi-best`: every candidate
@@ -21,6 +22,7 @@ The sliding-window tables have neither coverage nor the bound (neither models wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 
 from sglang_marconi.policy.cost.model_profile import load_profile, paper_hybrid_profile
+from sglang_marconi.policy.errors import MarconiError
 from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, choice_label, eviction_for
 from sglang_marconi.sim import robustness
 from sglang_marconi.sim.baselines.belady import BeladyBound
@@ -54,6 +57,31 @@ AXIS_WORKLOAD, AXIS_CAPACITY_GB = "synthetic:swe-agent", 10
 RATIO_AXIS = {"1:2": (9, 18), "1:4": (5, 22), "1:8": (3, 24), "pure attention": (28, 0)}
 STATE_DIM_AXIS = (16, 64, 128)
 MAX_WALL_RATIO = 2.0
+TUNER = ShadowConfig()  # the tuned cells' settings before the automatic sample rate (`--tuner`)
+
+
+def tuner_settings(text: str) -> ShadowConfig:
+    """`--tuner`: 'KEY=VALUE,...' over `ShadowConfig`'s numeric and yes/no fields but the sample rate
+    (automatic here), e.g. 'guard_margin=1e9,live_guard=false': the tuner without its never-below-LRU
+    guard. ValueError, one line naming the bad item, for anything else."""
+    settable = {f.name: getattr(ShadowConfig, f.name) for f in dataclasses.fields(ShadowConfig)
+                if f.name != "sample_rate" and isinstance(getattr(ShadowConfig, f.name, None), (bool, int, float))}
+    changes = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in settable:
+            raise ValueError(f"--tuner {item!r}: expected KEY=VALUE, KEY one of {', '.join(settable)}")
+        default = settable[key]
+        if isinstance(default, bool):
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"--tuner {item!r}: {key} takes true or false")
+            changes[key] = value.lower() == "true"
+            continue
+        try:
+            changes[key] = int(value) if isinstance(default, int) else float(value)
+        except ValueError:
+            raise ValueError(f"--tuner {item!r}: {key} takes {'an integer' if isinstance(default, int) else 'a number'}") from None
+    return dataclasses.replace(ShadowConfig(), **changes)
 
 
 CELLS: list[dict] = []  # every sweep and axis cell, for the targets' summary lines
@@ -73,7 +101,7 @@ def run_cell(workload, profile, capacity_gb, bound: BeladyBound):
     runs = {p: replay(workload, build_policy(p, profile, cap), profile, cap, progress=False)
             for p in ("vllm+", "sglang+", "coverage")}
     runs["belady"] = bound.run(cap, flops=False)
-    config = shadow_config_for(workload, profile, cap, ShadowConfig(), None)
+    config = shadow_config_for(workload, profile, cap, TUNER, None)
     tuned = [replay(workload, build_policy("marconi", profile, cap, tuning=config), profile, cap, progress=False)]
     runs["marconi-best"] = replay_best(workload, profile, cap, progress=False)
     tuned.append(replay(workload, build_policy("marconi", profile, cap, tuning=config), profile, cap, progress=False))
@@ -196,7 +224,7 @@ def belady_for(workload, profile) -> BeladyBound:
 def suite_cell(cell, profile, fixed: FixedCache) -> dict:
     workload = cell.build()
     cap = int(cell.capacity_gb * 1e9)
-    config = shadow_config_for(workload, profile, cap, ShadowConfig(), None)
+    config = shadow_config_for(workload, profile, cap, TUNER, None)
     runs = {choice_label(c): fixed.get(workload, profile, cap, c) for c in config.choices}
     coverage = fixed.run(workload, profile, cap, "coverage", lambda: replay(
         workload, build_policy("coverage", profile, cap), profile, cap, progress=False))
@@ -321,7 +349,7 @@ def artifact_speed():
         ours = []
         for gb in caps:  # what `python -m sglang_marconi.sim --policies marconi` replays
             cap = int(gb * 1e9)
-            config = shadow_config_for(workload, profile, cap, ShadowConfig(), None)
+            config = shadow_config_for(workload, profile, cap, TUNER, None)
             ours.append(replay(workload, build_policy("marconi", profile, cap, tuning=config), profile, cap,
                                progress=False).wall_seconds)
         low, high = lo / max(ours), hi / min(ours)
@@ -352,7 +380,7 @@ def swa_footprint(workload, profile) -> int:
 def swa_cell(workload, profile, capacity) -> dict:
     out = {}
     for name in ("furiosa", "sglang+", "marconi"):
-        config = shadow_config_for(workload, profile, capacity, ShadowConfig(), None) if name == "marconi" else None
+        config = shadow_config_for(workload, profile, capacity, TUNER, None) if name == "marconi" else None
         policy = build_policy(name, profile, capacity, tuning=config)
         out[name] = replay(workload, policy, profile, capacity, progress=False)
     return out
@@ -448,8 +476,19 @@ def main(argv=None) -> int:
                     help="run the robustness suite (`sim/robustness.py`) instead of the sweeps")
     ap.add_argument("--fixed-cache", type=Path,
                     help="keep the suite's fixed-choice replays in this JSON file between runs")
+    ap.add_argument("--tuner", default="",
+                    help="KEY=VALUE,... tuner settings for the tuned cells (ShadowConfig's fields, e.g. "
+                         "guard_margin=1e9,live_guard=false: no never-below-LRU guard)")
     args = ap.parse_args(argv)
+    global TUNER
+    try:
+        TUNER = tuner_settings(args.tuner)
+    except (ValueError, MarconiError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.tuner:
+        print(f"tuned cells with the tuner's settings changed: {args.tuner}")
     if args.suite:
         groups = robustness.GROUPS if args.suite == "all" else (args.suite,)
         return run_suite(groups, args.quick, args.out, args.fixed_cache)

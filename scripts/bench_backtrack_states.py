@@ -9,7 +9,7 @@ state at every chunk end, LRU). Marconi is the served-pools model (`policy/tree/
 through `sim.policies.build_policy(served=...)`), which `check_sim_vs_served.py` proves equal to the
 served cache request by request: `lru` (Marconi's admission, SGLang's LRU), alpha 0 and 1, and tuned
 (the served runtime's protocol); `--choices` takes any fixed choice the served cache runs (an alpha,
-`seglen:W`, `depth:B`, `depth:auto`). Pools: `bench_sglang_cache.pool_sizes` at fractions 0.25 (tight),
+`seglen:W`, `depth:B`, `depth:auto`, `coverage`). Pools: `bench_sglang_cache.pool_sizes` at fractions 0.25 (tight),
 0.6 (mid) and 1.0 (ample) of the trace's footprint; prefill chunks of 512 tokens.
 
 `--target PTS` (with upstream) adds, per cell where upstream is below 90%, whether tuned Marconi at
@@ -68,7 +68,7 @@ def parse_choices(text: str) -> list:
     for item in filter(None, (c.strip() for c in text.split(","))):
         kind, sep, value = item.partition(":")
         try:
-            if item in ("lru", "auto", "depth:auto"):
+            if item in ("lru", "auto", "depth:auto", "coverage"):
                 choices.append(item)
             elif sep and kind == "seglen":
                 check_alpha(float(value))
@@ -81,7 +81,8 @@ def parse_choices(text: str) -> list:
             else:
                 raise ValueError
         except (ValueError, MarconiError):
-            raise SystemExit(f"--choices: {item!r} is not lru, auto, an alpha >= 0, seglen:W, depth:B or depth:auto")
+            raise SystemExit(f"--choices: {item!r} is not lru, auto, an alpha >= 0, seglen:W, depth:B, depth:auto "
+                             "or coverage")
     return choices
 
 
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
                     help="backtrack states per request in the +bt columns (3: the rule's default in extra_buffer)")
     ap.add_argument("--no-upstream", action="store_true", help="skip SGLang's own cache (Marconi's cells only)")
     ap.add_argument("--choices", default="lru,0,1,auto",
-                    help="Marconi's choices: lru, alphas, seglen:W, depth:B, depth:auto, auto (tuned)")
+                    help="Marconi's choices: lru, alphas, seglen:W, depth:B, depth:auto, coverage, auto (tuned)")
     ap.add_argument("--target", type=float, default=None, metavar="PTS",
                     help="per cell with upstream < 90%%: is tuned (the default rule setting) >= upstream + PTS, "
                          "and if not, why (needs upstream)")

@@ -3,7 +3,7 @@
     python scripts/check_sim_vs_served.py --workload synthetic:lmsys[:key=value,...] | --trace FILE
         --model PROFILE --kv-tokens N (--mamba-slots M | --kind sliding-window --swa-tokens S)
         [--mamba-radix-cache-strategy no_buffer|extra_buffer] [--chunked-prefill-size N]
-        [--alpha A|lru|auto] [--probation on|off] [--backtrack-states auto|B] [--shadows]
+        [--alpha A|lru|auto|depth:B|coverage] [--probation on|off] [--backtrack-states auto|B] [--shadows]
         [--session-keys in-memory|24h]
         [--limit N] [--json OUT]
 
@@ -232,7 +232,8 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
     from sglang_marconi.sim.policies import build_policy
 
     tuned = alpha == "auto"
-    depth = str(alpha).startswith("depth:")  # the depth rule, fixed (`--marconi-eviction depth:B|depth:auto`)
+    # a rule fixed by `--marconi-eviction`: the depth rule (depth:B | depth:auto) or coverage
+    depth = str(alpha).startswith("depth:") or alpha == "coverage"
     choice = None if tuned else (alpha if alpha == LRU or depth else float(alpha))
     if shadows and (tuned or depth):
         raise SystemExit("--shadows compares the shadow of a fixed choice with the live cache: give --alpha A or lru")
@@ -468,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", default="ssm", choices=("ssm", "sliding-window"))
     p.add_argument("--swa-tokens", type=int, help="the SWA KV pool, in token slots (--kind sliding-window)")
     p.add_argument("--alpha", default="auto", help="A (fixed alpha), lru (SGLang's LRU), auto (tuned online), "
-                                                  "or depth:B / depth:auto (the depth rule, fixed: --marconi-eviction)")
+                                                  "depth:B / depth:auto (the depth rule, fixed: --marconi-eviction) "
+                                                  "or coverage (SGLang #38000's rule: --marconi-eviction coverage)")
     p.add_argument("--probation", default="on", choices=("on", "off"), help="--kind ssm: probationary states")
     p.add_argument("--backtrack-states", default="auto",
                    help="--kind ssm: backtrack states per request on both sides, as --marconi-backtrack-states "
@@ -509,7 +511,7 @@ def main(argv=None) -> int:
 
         workload = with_session_keys(workload, args.session_keys)
     requests = list(workload)[: args.limit] if args.limit else list(workload)
-    alpha = args.alpha if args.alpha in ("auto", "lru") or args.alpha.startswith("depth:") else float(args.alpha)
+    alpha = args.alpha if args.alpha in ("auto", "lru", "coverage") or args.alpha.startswith("depth:") else float(args.alpha)
     name = args.trace or args.workload
     if swa:
         report = run_swa(requests, args.model, args.kv_tokens, args.swa_tokens, args.chunked_prefill_size, alpha,

@@ -96,7 +96,7 @@ def test_a_copy_is_independent():
 
 
 @pytest.mark.parametrize("strategy", [NO_BUFFER, EXTRA_BUFFER])
-@pytest.mark.parametrize("choice", [LRU, 1.0, 20.0, "seglen:100", "depth:1"])
+@pytest.mark.parametrize("choice", [LRU, 1.0, 20.0, "seglen:100", "depth:1", "coverage"])
 def test_served_caches_found_to_hold_the_same_contents_go_on_alike(strategy, choice):
     """`same_contents` of two models of SGLang's cache, the tuner's stand-in merge test, is sound:
     fed one stream, one cache under another choice for a while (as a stand-in forked from another
@@ -158,11 +158,13 @@ def test_the_same_prefixes_touched_in_another_order_are_not_the_same_contents():
 
 
 @pytest.mark.parametrize("strategy", [NO_BUFFER, EXTRA_BUFFER])
-@pytest.mark.parametrize("choice", [LRU, 0.0, 1.0, "seglen:100", "depth:1"])
+@pytest.mark.parametrize("choice", [LRU, 0.0, 1.0, "seglen:100", "depth:1", "coverage"])
 def test_victims_are_those_the_candidate_index_ranks_lowest(strategy, choice):
     """The model ranks its candidates as plain lists (and by recency alone takes the oldest): the
     same evictions, in order, as a `CandidateIndex` holding every candidate (numpy columns, the
-    index the policy core's caches keep)."""
+    index the policy core's caches and the served index keep; coverage's states ranked by the
+    rule's own `lowest_coverage`, as the served index ranks them)."""
+    from sglang_marconi.policy.rules.eviction.coverage import lowest_coverage
     from sglang_marconi.policy.tree.candidate_index import CandidateIndex
 
     class Indexed(ServedCache):
@@ -172,6 +174,8 @@ def test_victims_are_those_the_candidate_index_ranks_lowest(strategy, choice):
             index = CandidateIndex(tie_key=CandidateIndex.node_id)
             for node, stamp, value in zip(nodes, recency, values):
                 index.add(node, stamp, value)
+            if self.kind == "coverage":
+                return lowest_coverage(index)
             return self.depth_rule.choose(index) if self.depth_rule is not None else index.lowest(self.weight)
 
     pools = ServedPools(3000, 8, strategy, 128)

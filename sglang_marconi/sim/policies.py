@@ -67,7 +67,7 @@ def has_host_tier(name: str) -> bool:
 
 # Policies the model of the served cache runs (`--kv-tokens` / `--mamba-slots`): SGLang's cache with
 # the marconi backend under the choice `lru` (sglang+), a fixed alpha, or tuned; and the two bounds.
-SERVED_POLICY_NAMES = ("none", "sglang+", "marconi", "infinite")
+SERVED_POLICY_NAMES = ("none", "sglang+", "marconi", "coverage", "infinite")
 
 
 def build_policy(name: str, profile, capacity_bytes: int, *, alpha: float | None = None, block_size: int = 32,
@@ -149,7 +149,7 @@ def _build_swa_policy(name, base, fixed, profile, capacity_bytes, alpha, tuning,
 
 
 def _build_served_policy(name, base, fixed, profile, pools, alpha, tuning, probation, sync_every):
-    from sglang_marconi.policy.tuning.shadow_tuner import LRU
+    from sglang_marconi.policy.tuning.shadow_tuner import COVERAGE, LRU
     from sglang_marconi.sim.baselines.served import ServedPolicy
 
     if getattr(profile, "has_sliding_window", False):
@@ -159,6 +159,8 @@ def _build_served_policy(name, base, fixed, profile, pools, alpha, tuning, proba
                            f"from {', '.join(SERVED_POLICY_NAMES)} or marconi:ALPHA")
     if base == "sglang+":
         return ServedPolicy("sglang+", profile, pools, LRU, probation=probation)
+    if base == "coverage":  # `--marconi-eviction coverage`: SGLang #38000's rule with Marconi's admission
+        return ServedPolicy("coverage", profile, pools, COVERAGE, probation=probation)
     a = float(fixed) if fixed else alpha
     if a is None:
         return ServedPolicy("marconi", profile, pools, tuning=tuning or ShadowConfig(), probation=probation,

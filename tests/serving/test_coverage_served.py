@@ -6,8 +6,13 @@ The rule lives once, in the policy core (`policy/rules/eviction/coverage.py`); t
 keeps its value column current. Checked here: the index equals a from-scratch evaluation after
 every request while the coverage of a state changes with what is inserted and evicted below it;
 every Mamba-pressure victim is the brute-force minimum over SGLang's tree (an evaluation written
-here, independent of the policy core's); and the PR's case: a chain thinned from its deep end so
-that a fork at its shallow state still hits, where LRU over the same candidates loses it.
+here, independent of the policy core's); the PR's case: a chain thinned from its deep end so
+that a fork at its shallow state still hits, where LRU over the same candidates loses it; and the
+simulator's model of the served cache under the same rule (`ServedCache`, choice `coverage`),
+request by request (`scripts/check_sim_vs_served.py`), fixed and as the served tuner adopts it
+(its choices carry coverage: `shadow_tuner.served_config`), on the chain / fan-out stress
+(`sim/stress.chain_fanout`), where coverage keeps the shallow states of long chains that later
+fan-outs come back to.
 """
 
 import random
@@ -20,6 +25,10 @@ from sglang_cpu import MAMBA, run_request  # noqa: E402
 from test_sglang_eviction import Workload, serve  # noqa: E402
 
 from sglang_marconi.serving.eviction_settings import MAMBA_PRESSURE  # noqa: E402
+from sglang_marconi.policy.cost.model_profile import load_profile  # noqa: E402
+from sglang_marconi.policy.tree.served_cache import ServedPools  # noqa: E402
+from sglang_marconi.sim.baselines.served import ServedPolicy  # noqa: E402
+from sglang_marconi.sim.stress import chain_fanout  # noqa: E402
 
 VOCAB = 1 << 30
 
@@ -153,3 +162,39 @@ def test_the_backend_as_built_serves_coverage_untuned():
     assert cc.cache.marconi.index.value_kind == "coverage"
     assert runtime.settings.counters.evictions_leaf + runtime.settings.counters.evictions_single_child > 0
     runtime.close()
+
+
+# The simulator's model of the served cache under coverage, request by request.
+KV_TOKENS, MAMBA_SLOTS, CHUNK = 10_000, 24, 512  # tight: most requests evict under one pressure or both
+
+
+@pytest.fixture(scope="module")
+def check():
+    from test_sim_equivalence import _check_script
+
+    return _check_script()
+
+
+@pytest.fixture(scope="module")
+def stress_requests():
+    return list(chain_fanout(300))
+
+
+def test_fixed_coverage_is_the_model_request_by_request(check, stress_requests):
+    report = check.run(stress_requests, "nemotron-h-8b", KV_TOKENS, MAMBA_SLOTS, "extra_buffer", CHUNK, "coverage",
+                       workload_name="coverage-stress-xbuf")
+    print("\n".join(report.lines()))
+    assert report.ok and report.agree == report.requests, "\n".join(report.lines())
+    # the rule is in force: the model under LRU's choice hits otherwise on the same pools
+    pools = ServedPools(KV_TOKENS, MAMBA_SLOTS, "extra_buffer", CHUNK)
+    lru = ServedPolicy("lru", load_profile("nemotron-h-8b"), pools, "lru")
+    assert sum(lru.serve(r).hit_tokens for r in stress_requests) != report.served_hits
+
+
+def test_the_tuned_server_adopts_coverage_where_the_model_does(check, stress_requests):
+    report = check.run(stress_requests, "nemotron-h-8b", KV_TOKENS, MAMBA_SLOTS, "no_buffer", CHUNK, "auto",
+                       workload_name="coverage-stress-nobuf-auto", sync_every=32)
+    print("\n".join(report.lines()))
+    assert report.ok and report.agree == report.requests, "\n".join(report.lines())
+    served, simulated = report.config["served_choices"], report.config["sim_choices"]
+    assert served == simulated and "coverage" in [choice for _, choice in served], served

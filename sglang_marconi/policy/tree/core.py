@@ -1055,7 +1055,7 @@ class PoolTree(TreeCore):
         unlocked = [n for n in self._childless.values() if not n.lock_count and not n.state_lock]
         if not unlocked:
             return None
-        if self._ranks_recency_alone:  # the oldest, exact ties to the smallest node id
+        if self._kv_ranks_recency_alone:  # the oldest, exact ties to the smallest node id
             return min(unlocked, key=_recency_then_id)
         value = self._candidate_value if self._reads_values else _no_value
         return self._lowest_of(unlocked, [n.last_access for n in unlocked],
@@ -1090,6 +1090,11 @@ class PoolTree(TreeCore):
         """Whether the rule in force ranks candidates by recency alone (the oldest goes, exact ties
         to the smallest node id): a weight of 0, and no other rule in `_lowest_of`."""
         return not self.weight
+
+    @property
+    def _kv_ranks_recency_alone(self) -> bool:
+        """The same, of the leaves under KV pressure (a rule may rank them apart from the states)."""
+        return self._ranks_recency_alone
 
     # Whether the rule in force reads the candidates' values (`_candidate_value`); else they are 0.
     _reads_values = True

@@ -31,7 +31,8 @@ two Mamba strategies' tracking and admission, probation) and the value candidate
   any node. Values (`policy/rules/value.py`): FLOPs saved back to the node's anchor (the nearest
   ancestor that holds a state, has several children or is the root) per byte freed; SegLen: that
   replay length. They are ranked as `CandidateIndex.lowest` ranks them (`policy/rules/score.py`), as
-  in the server.
+  in the server. The choice `coverage` (SGLang #38000's rule, `policy/rules/eviction/coverage.py`)
+  ranks states by the positions each covers (ties to the least recent), leaves by recency alone.
 - Admission (`serving/admission.py`, the rules in `policy/rules/branch_grid.py`): the branch state where
   two-pass prefill ends a chunk (no_buffer) or where extra_buffer snapshots it, the final state
   (extra_buffer: the last tracked one, the insert truncated there), and with probation the state at
@@ -61,6 +62,7 @@ from sglang_marconi.policy.rules import branch_grid, input_end_resume
 from sglang_marconi.policy.rules import value as value_rule
 from sglang_marconi.policy.rules.backtrack_states import BacktrackMarks, backtrack_rule_of, default_setting
 from sglang_marconi.policy.rules.continuation import ContinuationRecord
+from sglang_marconi.policy.rules.eviction.coverage import coverage_value, lowest_coverage_of
 from sglang_marconi.policy.rules.eviction.depth import depth_rule_of
 from sglang_marconi.policy.tree.core import PoolTree
 from sglang_marconi.policy.tree.radix_tree import PoolNode, as_token_array
@@ -69,8 +71,14 @@ from sglang_marconi.policy.tree.small_candidates import SmallCandidateIndex
 NO_BUFFER, EXTRA_BUFFER = "no_buffer", "extra_buffer"
 STRATEGIES = (NO_BUFFER, EXTRA_BUFFER)
 LRU = "lru"  # the shadow tuner's name for SGLang's LRU (policy/tuning/shadow_tuner.py)
+COVERAGE = "coverage"  # its name for SGLang #38000's rule, a fixed choice (`eviction/coverage.py`)
 _holds_state = operator.attrgetter("has_state")
 _end_of = operator.attrgetter("end")
+_id_of = operator.attrgetter("id")
+
+
+def _edge_length(node) -> int:
+    return len(node.tokens)
 
 
 @dataclass(frozen=True)
@@ -176,8 +184,9 @@ class ServedEvent:
 
 
 class ServedCache(PoolTree):
-    """See the module docstring. `choice`: "lru", an alpha (FLOP-aware), "seglen:W", or "depth:B" /
-    "depth:auto" (`eviction/depth.py`, over the record this cache feeds: `continuation`)."""
+    """See the module docstring. `choice`: "lru", an alpha (FLOP-aware), "seglen:W", "coverage"
+    (`eviction/coverage.py`), or "depth:B" / "depth:auto" (`eviction/depth.py`, over the record this
+    cache feeds: `continuation`)."""
 
     def __init__(self, profile, pools: ServedPools, choice=0.0, *, probation: bool = True, record: bool = False):
         if int(profile.ssm_state_bytes) <= 0:
@@ -208,6 +217,8 @@ class ServedCache(PoolTree):
             self.kind, self.weight = "depth", 0.0
         elif choice == LRU:
             self.kind, self.weight = "lru", 0.0
+        elif choice == COVERAGE:  # fewest positions covered first, ties by recency: no weight
+            self.kind, self.weight = "coverage", 0.0
         elif isinstance(choice, str) and choice.startswith("seglen:"):
             self.kind, self.weight = "seglen", float(choice.partition(":")[2])
         else:
@@ -216,9 +227,11 @@ class ServedCache(PoolTree):
         self.choice = choice
 
     def _lowest_of(self, nodes: list, recency: list, values: list):
-        """The victim among the candidates: the depth rule's (`eviction/depth.py`), else the
-        weighted score's."""
+        """The victim among the candidates: the depth rule's (`eviction/depth.py`), coverage's
+        (`eviction/coverage.py`, ranked only under state pressure), else the weighted score's."""
         if self.depth_rule is None:
+            if self.kind == "coverage":
+                return lowest_coverage_of(nodes, values, recency, _id_of)
             return super()._lowest_of(nodes, recency, values)
         index = SmallCandidateIndex(tie_key=SmallCandidateIndex.node_id)
         for node, stamp in zip(nodes, recency):
@@ -227,15 +240,22 @@ class ServedCache(PoolTree):
 
     @property
     def _ranks_recency_alone(self) -> bool:
-        return self.depth_rule is None and not self.weight
+        return self.depth_rule is None and not self.weight and self.kind != "coverage"
+
+    @property
+    def _kv_ranks_recency_alone(self) -> bool:
+        return self._ranks_recency_alone or self.kind == "coverage"  # coverage: recency alone over the leaves
 
     @property
     def _reads_values(self) -> bool:
         return self.depth_rule is None  # the depth rule ranks by recency and the record
 
     def _candidate_value(self, node, leaf: bool) -> float:
-        """FLOPs saved back to the node's anchor per byte freed (`policy/rules/value.py`), or with
-        SegLen that replay length (the depth rule reads none: `_reads_values`)."""
+        """FLOPs saved back to the node's anchor per byte freed (`policy/rules/value.py`), with
+        SegLen that replay length, with coverage the positions its state covers (the depth rule
+        reads none: `_reads_values`)."""
+        if self.kind == "coverage":
+            return coverage_value(node, _holds_state, _edge_length)
         start, end = value_rule.anchor_end(node, self.tree.root, _holds_state, _end_of), node.end
         if self.kind == "seglen":
             return float(end - start)

@@ -10,8 +10,9 @@ shadow cache per candidate choice, all kept running on the same sample of sessio
   shadow, not one per candidate.
 - Candidates: SGLang's LRU, FLOP-aware eviction at each alpha of the grid (alpha = 0 is its own
   choice: LRU over Marconi's candidates, refreshing only the node hit), SegLen-style eviction
-  at each of its weights (`eviction/seglen.py`), and depth-aware eviction at each exponent and
-  with the exponent learned (`eviction/depth.py`). Over the policy core's caches the depth
+  at each of its weights (`eviction/seglen.py`), depth-aware eviction at each exponent and
+  with the exponent learned (`eviction/depth.py`), and, over the model of SGLang's cache, SGLang
+  #38000's coverage rule (`eviction/coverage.py`). Over the policy core's caches the depth
   choices read one record of finished sequences (`rules/continuation.py`) that the tuner feeds
   with every request it is given, after its caches served it; the live cache adopting one reads
   the same record (`adopt_choice`). Over the model of SGLang's cache (`served`) every cache keeps
@@ -91,7 +92,7 @@ from sglang_marconi.policy.tree.shadow_cache import FlopsTable, ShadowCache, Sha
 from sglang_marconi.policy.tree.shared_match import SharedMatch
 
 LRU = "lru"  # the choice that stands for SGLang's LRU (leaves only, whole-path refresh)
-COVERAGE = "coverage"  # SGLang #38000's rule (`policy/rules/eviction/coverage.py`): a fixed choice, never tuned
+COVERAGE = "coverage"  # SGLang #38000's rule (`policy/rules/eviction/coverage.py`): the served tuner's choice too
 SEGLEN = "seglen"  # "seglen:W": SegLen-style eviction with weight W (`eviction/seglen.py`)
 DEPTH = "depth"  # "depth:B": evict by age / (1 + depth)^B; "depth:auto": B learned (`eviction/depth.py`)
 DEPTH_AUTO = f"{DEPTH}:auto"
@@ -185,6 +186,10 @@ class ShadowConfig:
     # and a tuner over the model of SGLang's cache, `served_config`).
     depth_exponents: tuple[float, ...] = ()
     depth_auto: bool = False
+    # SGLang #38000's rule (`eviction/coverage.py`) as a choice; None: the served tuner's choices carry
+    # it (`served_config`: it keeps the shallow states fan-outs from long chains come back to), the
+    # paper tree's do not (its tuner meets coverage there without it).
+    coverage: bool | None = None
     lru: bool = True  # SGLang's LRU is a candidate too (and the starting choice: the safe one)
     objective: str = "flops"
     sample_rate: float = 1.0
@@ -228,15 +233,18 @@ class ShadowConfig:
         for name in ("half_life", "guard_half_life"):
             if not getattr(self, name) > 0:
                 raise MarconiError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.coverage is not None and not isinstance(self.coverage, bool):
+            raise MarconiError(f"coverage must be True, False or None (None: on in the served tuner only), got {self.coverage!r}")
         if isinstance(self.prior_scale, bool) or not isinstance(self.prior_scale, (int, float)) \
                 or not 0 <= self.prior_scale < 1:
             raise MarconiError(f"prior_scale must be in [0, 1) (0: no miniatures), got {self.prior_scale!r}")
 
     @property
     def choices(self) -> tuple[Choice, ...]:
-        """LRU, the alphas, SegLen, depth (the order scores and tables use)."""
+        """LRU, the alphas, SegLen, depth, coverage (the order scores and tables use)."""
         return (((LRU,) if self.lru else ()) + self.alpha_grid + tuple(map(seglen_choice, self.seglen_weights))
-                + tuple(map(depth_choice, self.depth_exponents)) + ((DEPTH_AUTO,) if self.depth_auto else ()))
+                + tuple(map(depth_choice, self.depth_exponents)) + ((DEPTH_AUTO,) if self.depth_auto else ())
+                + ((COVERAGE,) if self.coverage else ()))
 
     @property
     def has_depth(self) -> bool:
@@ -262,8 +270,9 @@ class ShadowConfig:
 def served_config(config: ShadowConfig) -> ShadowConfig:
     """The configuration a tuner over the model of SGLang's cache runs (`ShadowTuner(served=...)`,
     `TunerSpec`): `config` with the depth-aware choices unless it names some, the choices the
-    simulator's tuned configuration carries (`sim/tuning.py`)."""
-    return config if config.has_depth else config.with_depth()
+    simulator's tuned configuration carries (`sim/tuning.py`), and coverage unless it says no."""
+    config = config if config.has_depth else config.with_depth()
+    return replace(config, coverage=True) if config.coverage is None else config
 
 
 def live_record_for(choices) -> ContinuationRecord | None:
@@ -896,6 +905,8 @@ def choice_of(eviction: EvictionPolicy) -> Choice:
     """The tuner's choice an eviction policy stands for (`eviction_for`'s inverse)."""
     if isinstance(eviction, LruLeafEviction):
         return LRU
+    if isinstance(eviction, CoverageEviction):
+        return COVERAGE
     if isinstance(eviction, CalibratedDepthEviction):
         return DEPTH_AUTO
     if isinstance(eviction, DepthEviction):

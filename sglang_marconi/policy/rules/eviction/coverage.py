@@ -66,6 +66,12 @@ def lowest_coverage(candidates: CandidateIndex):
     return candidates.items[int(ties[0])]
 
 
+def lowest_coverage_of(items: list, values: list, recency: list, tie_key):
+    """`lowest_coverage`'s choice over parallel lists (a handful of candidates, no index): the
+    least value, then the least recency, then the smallest `tie_key(item)`."""
+    return items[min(range(len(items)), key=lambda i: (values[i], recency[i], tie_key(items[i])))]
+
+
 def uncovered_below(node, every_node_stated: bool = False, has_state=None, edge_length=None) -> int:
     """U(node): positions below `node` whose nearest state at or above them is `node`'s.
     `has_state(n)` / `edge_length(n)` read another tree's nodes (the served index reads SGLang's);

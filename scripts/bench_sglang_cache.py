@@ -934,7 +934,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small traces, two pool sizes (~25 s)")
     ap.add_argument("--traces", default="agent,chat,mooncake,mooncake-blocks,stress,reasoning")
     ap.add_argument("--mamba-radix-cache-strategy", default="no_buffer,extra_buffer",
-                    help="SGLang's Mamba cache strategies to run: no_buffer, extra_buffer (the GPU default), or both")
+                    help="SGLang's Mamba cache strategies to run: no_buffer, extra_buffer (the GPU default), or both "
+                         "(the default)")
     ap.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens (0: no chunking)")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads (2 on this 2-core VM adds ms-scale stalls to tiny CPU tensor ops)")
@@ -997,10 +998,11 @@ def main(argv=None) -> int:
         desc, scale, make = all_traces[name]
         info = describe(make())
         plan[name] = (desc, info, pool_sizes(info, fractions, scale, profile))
-    strategies = [m for m in args.mamba_radix_cache_strategy.split(",") if m]
+    given = args.mamba_radix_cache_strategy
+    strategies = ["no_buffer", "extra_buffer"] if given == "both" else [m for m in given.split(",") if m]
     if not strategies or set(strategies) - {"no_buffer", "extra_buffer"}:
         ap.error(f"--mamba-radix-cache-strategy {args.mamba_radix_cache_strategy!r}: expected no_buffer, "
-                 "extra_buffer or both")
+                 "extra_buffer, both, or the two comma-separated")
     total = sum(len(info.requests) * len(sizes) * len(CONFIGS) for _, info, sizes in plan.values()) * len(strategies)
     bar = tqdm(total=total, desc="replay", unit="req", file=sys.stderr, mininterval=1) if tqdm else None
     by_mode = {}

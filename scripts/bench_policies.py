@@ -5,6 +5,7 @@ JSON and a PNG per workload to --out.
     python scripts/bench_policies.py [--out out/bench] [--quick] [--only swe-agent,mooncake,...]
     python scripts/bench_policies.py --suite dev|held-out|all [--quick]   # the robustness suite
     python scripts/bench_policies.py --tuner guard_margin=1e9,live_guard=false ...   # the tuner with other settings
+    python scripts/bench_policies.py --sample-rate 0.1 --tuner verify=false ...   # the shadows on a forced sample
 
 Per cell: vLLM+, SGLang+, coverage (SGLang PR #38000's eviction rule), Marconi tuned online by
 shadow caches (`marconi`), the best fixed choice in hindsight (`marconi-best`: every candidate
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from sglang_marconi.policy.cost.model_profile import load_profile, paper_hybrid_profile
 from sglang_marconi.policy.errors import MarconiError
+from sglang_marconi.policy.tuning.sampling import check_rate
 from sglang_marconi.policy.tuning.shadow_tuner import ShadowConfig, choice_label, eviction_for
 from sglang_marconi.sim import robustness
 from sglang_marconi.sim.baselines.belady import BeladyBound
@@ -58,6 +60,17 @@ RATIO_AXIS = {"1:2": (9, 18), "1:4": (5, 22), "1:8": (3, 24), "pure attention": 
 STATE_DIM_AXIS = (16, 64, 128)
 MAX_WALL_RATIO = 2.0
 TUNER = ShadowConfig()  # the tuned cells' settings before the automatic sample rate (`--tuner`)
+SAMPLE_RATE: float | None = None  # `--sample-rate`: forced instead of the automatic rate
+
+
+def tuned_config(workload, profile, capacity: int) -> ShadowConfig:
+    """A tuned cell's configuration: `TUNER` at the automatic sample rate, or at `--sample-rate` where
+    the shadows' scaled capacity still holds a request's two states (else at the least rate that does,
+    which the table's sample-rate column shows)."""
+    rate = SAMPLE_RATE
+    if rate is not None:
+        rate = min(1.0, max(rate, (2 * int(profile.ssm_state_bytes) + 1) / capacity))
+    return shadow_config_for(workload, profile, capacity, TUNER, rate)
 
 
 def tuner_settings(text: str) -> ShadowConfig:
@@ -101,7 +114,7 @@ def run_cell(workload, profile, capacity_gb, bound: BeladyBound):
     runs = {p: replay(workload, build_policy(p, profile, cap), profile, cap, progress=False)
             for p in ("vllm+", "sglang+", "coverage")}
     runs["belady"] = bound.run(cap, flops=False)
-    config = shadow_config_for(workload, profile, cap, TUNER, None)
+    config = tuned_config(workload, profile, cap)
     tuned = [replay(workload, build_policy("marconi", profile, cap, tuning=config), profile, cap, progress=False)]
     runs["marconi-best"] = replay_best(workload, profile, cap, progress=False)
     tuned.append(replay(workload, build_policy("marconi", profile, cap, tuning=config), profile, cap, progress=False))
@@ -224,7 +237,7 @@ def belady_for(workload, profile) -> BeladyBound:
 def suite_cell(cell, profile, fixed: FixedCache) -> dict:
     workload = cell.build()
     cap = int(cell.capacity_gb * 1e9)
-    config = shadow_config_for(workload, profile, cap, TUNER, None)
+    config = tuned_config(workload, profile, cap)
     runs = {choice_label(c): fixed.get(workload, profile, cap, c) for c in config.choices}
     coverage = fixed.run(workload, profile, cap, "coverage", lambda: replay(
         workload, build_policy("coverage", profile, cap), profile, cap, progress=False))
@@ -349,7 +362,7 @@ def artifact_speed():
         ours = []
         for gb in caps:  # what `python -m sglang_marconi.sim --policies marconi` replays
             cap = int(gb * 1e9)
-            config = shadow_config_for(workload, profile, cap, TUNER, None)
+            config = tuned_config(workload, profile, cap)
             ours.append(replay(workload, build_policy("marconi", profile, cap, tuning=config), profile, cap,
                                progress=False).wall_seconds)
         low, high = lo / max(ours), hi / min(ours)
@@ -380,7 +393,7 @@ def swa_footprint(workload, profile) -> int:
 def swa_cell(workload, profile, capacity) -> dict:
     out = {}
     for name in ("furiosa", "sglang+", "marconi"):
-        config = shadow_config_for(workload, profile, capacity, TUNER, None) if name == "marconi" else None
+        config = tuned_config(workload, profile, capacity) if name == "marconi" else None
         policy = build_policy(name, profile, capacity, tuning=config)
         out[name] = replay(workload, policy, profile, capacity, progress=False)
     return out
@@ -479,16 +492,26 @@ def main(argv=None) -> int:
     ap.add_argument("--tuner", default="",
                     help="KEY=VALUE,... tuner settings for the tuned cells (ShadowConfig's fields, e.g. "
                          "guard_margin=1e9,live_guard=false: no never-below-LRU guard)")
+    ap.add_argument("--sample-rate", type=float,
+                    help="the tuned cells' shadows on this share of the sessions (at that share of the capacity) "
+                         "instead of the automatic rate, e.g. 0.1 (with --tuner verify=false: no verifier)")
     args = ap.parse_args(argv)
-    global TUNER
+    global TUNER, SAMPLE_RATE
     try:
         TUNER = tuner_settings(args.tuner)
     except (ValueError, MarconiError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        SAMPLE_RATE = None if args.sample_rate is None else check_rate(args.sample_rate)
+    except MarconiError as exc:
+        print(f"error: --sample-rate: {exc}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tuner:
         print(f"tuned cells with the tuner's settings changed: {args.tuner}")
+    if SAMPLE_RATE is not None:
+        print(f"tuned cells at sample rate {SAMPLE_RATE:g} where it holds a request's two states")
     if args.suite:
         groups = robustness.GROUPS if args.suite == "all" else (args.suite,)
         return run_suite(groups, args.quick, args.out, args.fixed_cache)

@@ -61,3 +61,22 @@ def test_the_settings_reach_every_tuned_cell(script, tmp_path):
     with pytest.raises(Stop):
         script.namespace["suite_cell"](cell, None, None)
     assert seen and seen[0].guard_margin == 1e9 and seen[0].live_guard is False
+
+
+def test_a_forced_sample_rate_reaches_the_tuned_cells_and_holds_two_states(script, tmp_path, capsys):
+    """`--sample-rate R`: every tuned cell at R, where the shadows' scaled capacity holds a request's
+    two states; below that, at the least rate that does. A bad rate is named in one line."""
+    from sglang_marconi.policy.cost.model_profile import load_profile
+    from sglang_marconi.sim.synthetic import generate
+
+    assert script.main(["--sample-rate", "1.5", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--sample-rate" in err and "1.5" in err and "\n" not in err
+    assert script.main(["--sample-rate", "0.1", "--only", "nothing", "--out", str(tmp_path)]) == 2
+    profile, workload = load_profile("paper-7b"), generate("lmsys", sessions=4, scale=0.05)
+    assert script.namespace["SAMPLE_RATE"] == 0.1
+    assert script.namespace["tuned_config"](workload, profile, int(10e9)).sample_rate == 0.1
+    small = script.namespace["tuned_config"](workload, profile, int(0.2e9)).sample_rate
+    assert 0.1 < small < 1 and int(0.2e9 * small) >= 2 * profile.ssm_state_bytes
+    script.namespace["SAMPLE_RATE"] = None  # the automatic rate
+    assert script.namespace["tuned_config"](workload, profile, int(10e9)).sample_rate == 1.0

@@ -465,3 +465,20 @@ def test_the_stand_in_forks_from_lru_where_the_verifier_adopted_a_dropped_shadow
     tuner.live, tuner.shadows[cur] = None, None  # as right after the verifier stepped aside
     tuner._switch(0)
     assert tuner.live.cache is not None and tuner.live.cache.kv_tokens == tuner.shadows[0].kv_tokens
+
+
+def test_coverage_is_a_choice_over_the_served_model_only(toy):
+    """`ShadowConfig.coverage`: None puts SGLang #38000's rule among the served tuner's choices
+    (`served_config`) and not the paper tree's; asked of the paper tree's tuner it is refused, and a
+    value that is not a yes / no / None is named, each in one line."""
+    from sglang_marconi.policy.tuning.shadow_tuner import COVERAGE, served_config
+
+    assert COVERAGE not in ShadowConfig().choices
+    assert served_config(ShadowConfig()).choices[-1] == COVERAGE
+    assert COVERAGE not in served_config(ShadowConfig(coverage=False)).choices
+    with pytest.raises(MarconiError) as err:
+        ShadowTuner(toy, 10**9, ShadowConfig(coverage=True))
+    assert "served" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(MarconiError) as err:
+        ShadowConfig(coverage="yes")
+    assert "'yes'" in str(err.value) and "\n" not in str(err.value)

@@ -71,7 +71,7 @@ from sglang_marconi.policy.tree.small_candidates import SmallCandidateIndex
 NO_BUFFER, EXTRA_BUFFER = "no_buffer", "extra_buffer"
 STRATEGIES = (NO_BUFFER, EXTRA_BUFFER)
 LRU = "lru"  # the shadow tuner's name for SGLang's LRU (policy/tuning/shadow_tuner.py)
-COVERAGE = "coverage"  # its name for SGLang #38000's rule, a fixed choice (`eviction/coverage.py`)
+COVERAGE = "coverage"  # its name for SGLang #38000's rule (`eviction/coverage.py`)
 _holds_state = operator.attrgetter("has_state")
 _end_of = operator.attrgetter("end")
 _id_of = operator.attrgetter("id")

@@ -234,7 +234,8 @@ class ShadowConfig:
             if not getattr(self, name) > 0:
                 raise MarconiError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.coverage is not None and not isinstance(self.coverage, bool):
-            raise MarconiError(f"coverage must be True, False or None (None: on in the served tuner only), got {self.coverage!r}")
+            raise MarconiError(f"coverage must be True, False or None (None: on over the served model only), "
+                               f"got {self.coverage!r}")
         if isinstance(self.prior_scale, bool) or not isinstance(self.prior_scale, (int, float)) \
                 or not 0 <= self.prior_scale < 1:
             raise MarconiError(f"prior_scale must be in [0, 1) (0: no miniatures), got {self.prior_scale!r}")
@@ -345,6 +346,9 @@ class ShadowTuner:
                     profile, served.scaled(rate * config.prior_scale), config.start, probation=probation,
                     record=depth), shared=True))
         else:
+            if config.coverage:  # its shadows are the served model's; the paper tree's were never checked for it
+                raise MarconiError("coverage=True: the coverage choice is tuned over the model of SGLang's cache "
+                                   "only (ShadowTuner(served=...))")
             shadow_bytes = int(capacity_bytes * rate)
             shadow_slots = None if state_slots is None else max(2, round(state_slots * rate))
             if shadow_bytes < (2 * profile.ssm_state_bytes if state_slots is None else 1):

@@ -4,8 +4,8 @@ scheduler thread or sends it to the tuner's background process, which builds it 
 - `kind="hybrid"`: the shadow tuner over hybrid (SSM) caches (`shadow_tuner.ShadowTuner`: LRU,
   FLOP-aware eviction at each alpha, SegLen, depth-aware eviction), modelling the served pools
   (`state_slots`), grid, pages and probation; over the model of SGLang's cache (`served` in the
-  options) with the choices `shadow_tuner.served_config` gives, the depth-aware ones included, as
-  the `ShadowTuner` it builds runs them;
+  options) with the choices `shadow_tuner.served_config` gives, the depth-aware ones and coverage
+  included, as the `ShadowTuner` it builds runs them;
 - `kind="window"`: alpha tuning of the sliding-window cache (`window_tuner.WindowTuner`).
 
 Both expose the same interface: `observe(session_key, input, output)`, `current` (the choice in

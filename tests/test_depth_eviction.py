@@ -385,10 +385,12 @@ def test_tuner_runs_the_depth_choices_and_the_live_cache_reads_its_record():
 
 
 def test_the_served_tuner_runs_the_simulators_depth_choices():
+    from sglang_marconi.policy.tuning.shadow_tuner import COVERAGE
+
     spec = TunerSpec("hybrid", ToyProfile(), 600, ShadowConfig(), dict(served=object()))
-    assert spec.choices == ShadowConfig().with_depth().choices
+    assert spec.choices == ShadowConfig().with_depth().choices + (COVERAGE,)  # and coverage, served only
     named = ShadowConfig().with_depth((2.0,), auto=False)  # a configuration that names its own is kept
-    assert TunerSpec("hybrid", ToyProfile(), 600, named, dict(served=object())).choices == named.choices
+    assert TunerSpec("hybrid", ToyProfile(), 600, named, dict(served=object())).choices == named.choices + (COVERAGE,)
 
 
 def _conversation_workload(n=600, seed=8):

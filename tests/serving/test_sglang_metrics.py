@@ -185,7 +185,7 @@ def test_choice_and_shadow_scores_are_gauges_by_choice(labels):
     figures = runtime.metrics(cc.cache)
     exporter.publish(figures)  # what the next interval's publish shows
     by_choice = lambda choice: {**labels, "choice": choice}  # noqa: E731
-    assert set(figures["marconi_shadow_scores"]) == {"lru", "0", "2", "seglen:5", "depth:1", "depth:4", "depth:auto"}
+    assert set(figures["marconi_shadow_scores"]) == {"lru", "0", "2", "seglen:5", "depth:1", "depth:4", "depth:auto", "coverage"}
     for choice, score in figures["marconi_shadow_scores"].items():
         assert REGISTRY.get_sample_value("sglang:marconi_shadow_score", by_choice(choice)) == pytest.approx(score)
         current = REGISTRY.get_sample_value("sglang:marconi_choice", by_choice(choice))

@@ -101,7 +101,8 @@ def test_background_tuner_decides_as_the_simulator_does_on_the_same_stream():
     figures = runtime.metrics(cc.cache)
     assert figures["marconi_choice"] == choice_label(served.decisions[-1][1]) != LRU
     assert runtime.choice == served.decisions[-1][1]
-    assert set(figures["marconi_shadow_scores"]) == {"lru", "0", "2", "20", "seglen:50", "depth:1", "depth:4", "depth:auto"}
+    assert set(figures["marconi_shadow_scores"]) == {"lru", "0", "2", "20", "seglen:50", "depth:1", "depth:4",
+                                                     "depth:auto", "coverage"}
     assert list(figures["marconi_shadow_scores"].values()) == pytest.approx(list(sim.scores))
     assert figures["marconi_tuner_requests_fed"] == figures["marconi_tuner_requests_observed"] == 120
 

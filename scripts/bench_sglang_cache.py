@@ -54,7 +54,10 @@ Marconi's on the same request stream.
 Per cell: token hit rate, prefill FLOPs saved (nemotron-h-8b profile, sum of prefill_flops(0, hit)
 over requests), SSM states in the tree at the end per request served, median (p99) microseconds
 per operation, tree microseconds per request (all four summed), and ratios vs upstream LRU on the
-Python tree core measured in the same run.
+Python tree core measured in the same run. A tuned cell's "choices" are the tuner's decisions, then
+what the cache put in force at which release (sync points), and how many sync points found the tuner
+behind: this replay has no forward pass between requests, so the background tuner can fall behind
+and a decision take effect late (the hit rate then is not the inline tuner's).
 """
 
 from __future__ import annotations
@@ -206,7 +209,10 @@ class Cell:
     evict_freed_kv: list = field(default_factory=list)  # per evict call: whether it deleted a leaf
     match_hits: list = field(default_factory=list)  # per match: whether it hit
     runtime_ns: list = field(default_factory=list)  # per request: Marconi's runtime on the scheduler thread
-    choices: list = field(default_factory=list)  # eviction choices the tuner adopted, in order
+    choices: list = field(default_factory=list)  # eviction choices the tuner decided, in order
+    adopted: list = field(default_factory=list)  # (releases seen, choice) as the cache adopted them at sync points
+    late_syncs: int = 0  # sync points that found the tuner behind (the choice in force stayed)
+    syncs: int = 0
     tuner_dropped: int = 0
 
     def runtime_stat(self):
@@ -429,6 +435,8 @@ def run_cell(config, kv_size, mamba_size, info: TraceInfo, chunk, profile, bar, 
         if runtime.tuner is not None:
             cell.choices = [choice_label(c) for _, c in (runtime.tuner_log.decisions if runtime.tuner_log else [])]
             cell.tuner_dropped = runtime.tuner.dropped
+            cell.adopted = [(n, choice_label(c)) for n, c in runtime.adoptions]
+            cell.late_syncs, cell.syncs = runtime.sync_waits_late, runtime.released // runtime.sync_every
     cell.wall_s = time.perf_counter() - t0
     cell.pool_s = probe.pool_ns / 1e9
     cc.check_no_leak()
@@ -485,7 +493,15 @@ def us(stat):
 
 
 def tuner_drops(c: Cell) -> str:
-    return f" ({c.tuner_dropped} dropped)" if c.tuner_dropped else ""
+    """What the tuned cell's cache did with the tuner's decisions: requests the tuner dropped, the
+    choices adopted at sync points (at release n), and the sync points that found the tuner behind (a
+    replay with no forward pass between requests can outrun it: the choice in force stays)."""
+    notes = [f"{c.tuner_dropped} dropped"] if c.tuner_dropped else []
+    if c.adopted:
+        notes.append("in force: " + ", ".join(f"{label} @{n}" for n, label in c.adopted))
+    if c.late_syncs:
+        notes.append(f"{c.late_syncs} of {c.syncs} syncs late")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def tree_us_per_request(c: Cell) -> float:
@@ -1036,7 +1052,8 @@ def main(argv=None) -> int:
                         "hit_rate": c.hit_rate, "flops_saved": c.flops_saved, "states_end": c.states_end,
                         "requests": c.requests, "evicted_tokens": c.evicted_tokens, "evicted_states": c.evicted_states,
                         "wall_s": c.wall_s, "runtime_us": c.runtime_stat()[:2], "choices": c.choices,
-                        "tuner_dropped": c.tuner_dropped, "tree_us_per_request": tree_us_per_request(c),
+                        "tuner_dropped": c.tuner_dropped, "adopted": c.adopted, "late_syncs": c.late_syncs,
+                        "syncs": c.syncs, "tree_us_per_request": tree_us_per_request(c),
                         **{f"{op}_us": c.stat(op)[:2] for op in JSON_OPS},
                         **{f"{op}_n": c.stat(op)[2] for op in JSON_OPS}} for c in cells]}
             for name, (desc, info, cells) in results.items()} for mode, results in by_mode.items()}, indent=1))

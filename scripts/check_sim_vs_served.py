@@ -233,12 +233,12 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
 
     tuned = alpha == "auto"
     # a rule fixed by `--marconi-eviction`: the depth rule (depth:B | depth:auto) or coverage
-    depth = str(alpha).startswith("depth:") or alpha == "coverage"
-    choice = None if tuned else (alpha if alpha == LRU or depth else float(alpha))
-    if shadows and (tuned or depth):
+    fixed_rule = str(alpha).startswith("depth:") or alpha == "coverage"
+    choice = None if tuned else (alpha if alpha == LRU or fixed_rule else float(alpha))
+    if shadows and (tuned or fixed_rule):
         raise SystemExit("--shadows compares the shadow of a fixed choice with the live cache: give --alpha A or lru")
-    config = MarconiServingConfig(alpha=None if tuned else (0.0 if choice == LRU or depth else choice),
-                                  eviction=alpha if depth else "marconi", probation=probation,
+    config = MarconiServingConfig(alpha=None if tuned else (0.0 if choice == LRU or fixed_rule else choice),
+                                  eviction=alpha if fixed_rule else "marconi", probation=probation,
                                   tune_workers=0, tune_sync_every=sync_every,
                                   extra={} if backtrack_states is None else {"backtrack_states": backtrack_states})
     longest = max(r.input_len + r.output_len for r in requests)
@@ -263,7 +263,7 @@ def _run(requests, profile, profile_name, kv_tokens, mamba_slots, strategy, chun
         served.victims.append((clock["request"], victim.pressure, victim.kind, end - len(victim.node.key), end))
 
     runtime.settings.observer = observe
-    if depth:  # the served-cache model under the same rule
+    if fixed_rule:  # the served-cache model under the same rule
         from sglang_marconi.sim.baselines.served import ServedPolicy
 
         policy = ServedPolicy(alpha, profile, pools, alpha, probation=probation)

@@ -77,10 +77,6 @@ _end_of = operator.attrgetter("end")
 _id_of = operator.attrgetter("id")
 
 
-def _edge_length(node) -> int:
-    return len(node.tokens)
-
-
 @dataclass(frozen=True)
 class ServedPools:
     """What the live cache was given, as SGLang sizes it."""
@@ -255,7 +251,7 @@ class ServedCache(PoolTree):
         SegLen that replay length, with coverage the positions its state covers (the depth rule
         reads none: `_reads_values`)."""
         if self.kind == "coverage":
-            return coverage_value(node, _holds_state, _edge_length)
+            return coverage_value(node)  # over the tree core's nodes: its own readers
         start, end = value_rule.anchor_end(node, self.tree.root, _holds_state, _end_of), node.end
         if self.kind == "seglen":
             return float(end - start)

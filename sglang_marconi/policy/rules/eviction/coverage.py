@@ -89,7 +89,7 @@ def uncovered_below(node, every_node_stated: bool = False, has_state=None, edge_
     return total
 
 
-def coverage_value(node, has_state, edge_length) -> float:
+def coverage_value(node, has_state=None, edge_length=None) -> float:
     """The rule's value of a node holding a state: the positions a request leaving the tree would
-    resume from its state (its own end and U below it)."""
+    resume from its state (its own end and U below it); the readers as `uncovered_below`'s."""
     return float(1 + uncovered_below(node, has_state=has_state, edge_length=edge_length))
